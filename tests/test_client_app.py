@@ -228,6 +228,36 @@ def test_a_resumed_run_resumes_each_clients_own_checkpoint(ws, monkeypatch):
         assert not torch.equal(local["layer0.down.weight"], received["layer0.down.weight"])  # not the global
 
 
+def test_a_node_restarted_with_its_node_id_serving_another_plan_trains_and_evaluates_nothing_for_the_run(
+    ws, monkeypatch
+):
+    """docs/federation.md: a SuperNode serving another plan is refused, during the run too, whichever client it names.
+    Under --auth a restarted SuperNode keeps its node id (its key), so the server does not identify it again: here
+    Academic's node comes back after round 1 serving experiment B's plan (same client, same adapter shapes). Its
+    round-2 train and evaluation messages are the run's (A's): it trains and scores nothing of B's for them; the
+    round records Academic failed (left out of A's aggregate) and without a validation loss."""
+    from pipeline.experiments.settings import RunSettings
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.server_app import run_server
+    from pipeline.training.history import Recorder
+
+    path_a, path_b = write_plan("auth-plan-a", "fedavg", rounds=2), write_plan("auth-plan-b", "fedavg", rounds=2)
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": path_a} for n in ("Academic", "Committee", "Product")])
+    _set_server_identity(grid.run.run_id)
+    academic = next(c for c in grid.contexts.values() if c.node_config["client-name"] == "Academic")
+
+    class Restart(Recorder):
+        def round_done(self, plan, entry, history):
+            academic.node_config["plan"] = path_b  # restarted between rounds 1 and 2, the same node id
+
+    seen = _stub_training(monkeypatch)
+    _, history = run_server(grid, path_a, Restart(), cache=RunSettings().cache)
+    assert ("Academic", 1) in seen and ("Academic", 2) not in seen
+    row = next(r for r in history if (r["round"], r["client"]) == (2, "Academic"))
+    assert row["failed"] == 1 and "val_loss" not in row
+
+
 # ----------------------------------------------------------------------------------------------- privacy report
 def _result(setting, steps: int, examples: int = 10, clipped: int = 3):
     from pipeline.training.client_training import LocalTrainResult

@@ -857,6 +857,82 @@ def test_a_declared_client_without_a_score_is_named_in_the_federated_evaluation(
     assert list(fed["skipped_clients"]) == ["Committee"]
 
 
+def test_a_declared_client_without_a_score_is_named_in_the_evaluation_every_n_rounds(ws, monkeypatch):
+    """evaluate-every=1: Committee's SuperNode is gone at round 1's evaluation: reports/eval/<exp>/rounds.json's entry
+    of the round names it as skipped with why (its mean is over Academic and Product), as metrics.json does, instead
+    of leaving it out of every field (failed_clients names nodes asked, and a gone node is not asked)."""
+    from types import SimpleNamespace
+
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation import deployment
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.paths import PATHS
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        metrics = MetricRecord({k: 10.0 for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0})
+        identity = ConfigRecord({"client-name": context.node_config["client-name"]})
+        return Message(RecordDict({"identity": identity, "metrics": metrics}), reply_to=msg)
+
+    path = write_plan("dep-gone-every", "fedavg", rounds=2)
+    plan = load_plan(path)
+    grid = InProcessGrid(app, [{"client-name": c, "plan": path} for c in ("Academic", "Product")])
+    _set_server_identity(grid.run.run_id)
+    monkeypatch.setattr(deployment.TrainRecorder, "round_done", lambda *a: None)  # the train stage's part
+    recorder = deployment.DeploymentRecorder(None, grid, path, EvaluateConfig(), 1, 5.0)
+    recorder.round_done(plan, SimpleNamespace(round=1), [])
+    (entry,) = json.loads((PATHS.eval_dir("dep-gone-every") / "rounds.json").read_text())["rounds"]
+    assert list(entry["clients"]) == ["Academic", "Product"]
+    assert list(entry["skipped_clients"]) == ["Committee"]
+
+
+def test_a_federated_evaluation_reply_that_never_came_is_logged_naming_the_client_and_the_wait(ws, caplog):
+    """Committee's node does not answer query.summarize within the timeout: metrics.json records it (failed_clients,
+    skipped_clients) and the server's log says so in a line naming the client and the wait, not only the scores of the
+    others (whose mean stands as the client average)."""
+    import logging
+
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+    from tests.errors import logs
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        metrics = MetricRecord({k: 10.0 for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0})
+        identity = ConfigRecord({"client-name": context.node_config["client-name"]})
+        return Message(RecordDict({"identity": identity, "metrics": metrics}), reply_to=msg)
+
+    class SilentCommittee(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = super().send_and_receive(messages, timeout=timeout)
+            return [
+                r for r in replies if self.contexts[r.metadata.src_node_id].node_config["client-name"] != "Committee"
+            ]
+
+    path = write_plan("dep-eval-timeout", "fedavg")
+    grid = SilentCommittee(app, [{"client-name": c, "plan": path} for c in ("Academic", "Committee", "Product")])
+    _set_server_identity(grid.run.run_id)
+    with caplog.at_level(logging.INFO, logger="fedmeet"):
+        fed = federated_evaluate(grid, load_plan(path), path, EvaluateConfig(), timeout=5)
+    assert list(fed["skipped_clients"]) == ["Committee"] and list(fed["failed_clients"].values()) == [
+        "no reply within 5s"
+    ]
+    logs([r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], "Committee", "no reply within 5s")
+
+
 def test_a_stranger_naming_a_declared_client_does_not_score_for_it_at_the_federated_evaluation(ws):
     """A SuperNode of another experiment whose client name is Product (refused: Product's node 1002 answers) stays
     connected: it is not asked (it answered the query with its own plan's scores, 90, and whichever of the two

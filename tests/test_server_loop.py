@@ -192,6 +192,7 @@ class Grid:
         self.gone: dict[int, set[str]] = {}
         self.restart: dict[int, set[str]] = {}
         self.lost: set[tuple[str, int]] = set()
+        self.lost_eval: set[tuple[str, int]] = set()  # evaluation replies only
         self.silent_error: set[tuple[str, int]] = set()  # train replies turned into an error without a reason
         self.timeouts: list[tuple[str | None, float | None]] = []  # (message type, timeout) of every wait
         self.round = 0
@@ -237,7 +238,8 @@ class Grid:
                 else r
                 for r in replies
             ]
-        return [r for r in replies if (self.name(r.metadata.src_node_id), self.round) not in self.lost]
+        lost = self.lost | (self.lost_eval if messages and messages[0].metadata.message_type == "evaluate" else set())
+        return [r for r in replies if (self.name(r.metadata.src_node_id), self.round) not in lost]
 
     def next_round(self, rnd: int) -> None:
         """Called by the recorder before round ``rnd``: apply that round's node changes."""
@@ -751,6 +753,21 @@ def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):
     assert rows["Product"]["eval_failed"] == 1 and "val_loss" not in rows["Product"]
     assert rows["Product"]["failed"] == 0 and "eval_failed" not in rows["Academic"]
     assert rows["Academic"]["val_loss"] == 1.5
+
+
+def test_an_evaluation_reply_lost_on_the_way_is_logged_and_recorded_as_a_failed_evaluation(ws, caplog):
+    """Its train reply arrived, its evaluation reply did not within the round timeout: as an evaluation that failed
+    (eval_failed, a log line naming the round, the client and the wait), not a row that is silent about it."""
+    path = write_plan("loop-lost-eval", "fedkd", rounds=1, fraction_train=1.0)
+    grid = Grid(path, script := Script(), ["Academic", "Committee", "Product"])
+    grid.lost_eval = {("Product", 1)}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        _, history, _ = run(path, script, grid=grid, timeout=7)
+    logs(logged(caplog), "round 1", "Product", "evaluat", "no reply within 7s")
+    rows = rows_of(history, 1)
+    assert rows["Product"]["failed"] == 0 and "weight" in rows["Product"]  # it trained
+    assert rows["Product"]["eval_failed"] == 1 and "val_loss" not in rows["Product"]
+    assert "eval_failed" not in rows["Academic"] and rows["Academic"]["val_loss"] == 1.5
 
 
 def test_privacy_reports_become_the_rows_privacy_fields(ws):
@@ -1848,6 +1865,7 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
         asked.append(len(asked) + 1)
         return {
             "clients": {"Academic": {"avg_rouge": float(len(asked))}},
+            "skipped_clients": {},
             "mean": {"avg_rouge": float(len(asked))},
             "failed_clients": {},
         }
@@ -1875,7 +1893,7 @@ def test_a_resumed_run_keeps_the_federated_evaluations_of_its_rounds_before_the_
     plan = load_plan(write_plan("dep-every-resume", "fedavg", rounds=5))
 
     def evaluate(grid, plan_, plan_path, cfg, timeout, nodes=None):
-        return {"clients": {}, "mean": {"avg_rouge": 1.0}, "failed_clients": {}}
+        return {"clients": {}, "skipped_clients": {}, "mean": {"avg_rouge": 1.0}, "failed_clients": {}}
 
     monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
     monkeypatch.setattr(deployment.TrainRecorder, "round_done", lambda *a: None)  # the train stage's part
@@ -2014,3 +2032,32 @@ def test_a_serverapp_refusing_its_decoding_leaves_no_mlflow_run_running(ws):
     experiment = client.get_experiment_by_name("tests")
     runs = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-bad-decoding'") if experiment else []
     assert [r.info.status for r in runs if r.info.status == "RUNNING"] == []
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("fedavg", {}),
+        ("fedopt", {"fedopt": {"server_optimizer": "adam", "server_lr": 0.1}}),
+        ("fedopt", {"fedopt": {"server_optimizer": "sgdm", "server_lr": 1.0}}),
+        ("fednova", {}),
+    ],
+)
+def test_clients_returning_what_they_received_leave_every_strategy_at_the_lossy_downlink(ws, method, extra):
+    """int8: the clients train from the decoded downlink q(W), not the server's W. Every client returning what it
+    received is a zero update: a zero pseudo-gradient for FedOpt, zero Delta_i for FedNova (its docstring takes them
+    against what was sent), so after each round the global is what the clients received, as under FedAvg. Taking
+    the updates against W instead makes q(W) - W a step (Adam: ~server_lr per coordinate; FedNova with unequal
+    steps: (tau_eff sum p_i / tau_i - 1) (q(W) - W))."""
+    from pipeline.federation.compression import decode_state, encode_state
+
+    name = f"loop-noop-{method}-{extra.get('fedopt', {}).get('server_optimizer', '')}"
+    path = write_plan(name, method, rounds=2, fraction_train=1.0, transfer_dtype="int8", **extra)
+    script = Script(delta={c: 0.0 for c in DELTAS})
+    final, history, _ = run(path, script)
+    assert all(r["failed"] == 0 for r in history)
+    received = decode_state(encode_state(initial(path), "int8"))  # q(W0); q(q(W0)) = q(W0): same scale, integers
+    assert any(not torch.equal(received[k], v) for k, v in initial(path).items())  # the downlink is lossy
+    for got in [state for kind, _, _, state in script.calls if kind == "train"]:
+        assert_state(got, received, exact=False)
+    assert_state(final, received, exact=False)

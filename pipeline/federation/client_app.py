@@ -59,6 +59,15 @@ def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
     return Path(context.node_config.get("checkpoint-dir") or checkpoints.client_checkpoint_dir(plan, name))
 
 
+def served_plan(msg: Message, context: Context) -> Plan:
+    """The plan this node serves, refusing a message of the server's run of another plan (its config's plan hash): a
+    SuperNode restarted under --auth keeps its node id, so the server does not identify it again."""
+    plan = load_plan(plan_path_of(msg, context))
+    if (theirs := msg.content.config_records.get(CONFIG_KEY, {}).get(PLAN_HASH)) not in (None, plan_hash(plan)):
+        raise ValueError(f"{plan.source or plan.experiment}: this node serves another plan than the run's ({theirs})")
+    return plan
+
+
 def _discard_earlier_run(plan: Plan, name: str, context: Context) -> None:
     """Removes what an earlier run of the plan left on the client's disk (round checkpoints and DP-SGD record, which
     a later round would resume; adapters; gate-log rounds): the server starts its run at round 1."""
@@ -134,7 +143,7 @@ def client_train(msg: Message, context: Context) -> Message:
 
 def train_round(msg: Message, context: Context) -> Message:
     """One training round of this client: the reply (adapter arrays, metrics; under SecAgg+ sent only masked)."""
-    plan = load_plan(plan_path_of(msg, context))
+    plan = served_plan(msg, context)
     spec = plan.spec
     name = client_name(context)
     config = msg.content[CONFIG_KEY]
@@ -187,7 +196,7 @@ def train_round(msg: Message, context: Context) -> Message:
 
 @client_app.evaluate()
 def client_evaluate(msg: Message, context: Context) -> Message:
-    plan = load_plan(plan_path_of(msg, context))
+    plan = served_plan(msg, context)
     spec = plan.spec
     name = client_name(context)
     rnd = int(msg.content[CONFIG_KEY]["server-round"])

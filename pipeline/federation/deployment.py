@@ -22,11 +22,11 @@ from pipeline.common import atomic
 from pipeline.common.cli import freeze_collected
 from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, config, from_dict
 from pipeline.common.integrity import backbone_name
-from pipeline.experiments.plans import Plan
+from pipeline.experiments.plans import Plan, plan_hash
 from pipeline.experiments.settings import RunSettings
 from pipeline.federation.admission import connected_nodes
-from pipeline.federation.client_app import client_app, client_dir, client_name
-from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, error_line, load_plan, plan_path_of
+from pipeline.federation.client_app import client_app, client_dir, client_name, served_plan
+from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, PLAN_HASH, error_line, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_adapter, save_adapter
 from pipeline.paths import PATHS
@@ -55,6 +55,7 @@ log = logging.getLogger("fedmeet.deployment")
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 COUNTS = ("n", "n_test", "skipped_by_subsampling")  # a client's evaluation counts (the rest of its reply: scores)
+ROUND_KEYS = ("clients", "skipped_clients", "mean", "failed_clients")  # rounds.json's: kept without MLflow too
 
 
 @config
@@ -95,7 +96,7 @@ def federated_evaluate(
     """Ask every connected client (of ``nodes``, the run's node -> client map, when given: a node of another
     experiment naming a client of the plan is not asked) for its test ROUGE; returns metrics.json's content."""
     node_ids = sorted(grid.get_node_ids() if nodes is None else connected_nodes(grid, plan_path, nodes, timeout))
-    config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
+    config = ConfigRecord({"plan": plan_path, PLAN_HASH: plan_hash(plan), "evaluate": json.dumps(asdict(cfg))})
     queries = [
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
     ]
@@ -110,6 +111,8 @@ def federated_evaluate(
     order = list(plan.clients) if plan.clients else sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
     skipped = {c: "no score: its node is gone or failed (failed_clients)" for c in order if c not in received}
+    if skipped:  # the client average is over the others
+        log.warning("%s: federated evaluation: no score of %s (failed: %s)", plan.experiment, sorted(skipped), failed)
     for name, metrics in [(c, received[c]) for c in order if c in received]:
         if metrics.get("n", 0) == 0:
             skipped[name] = "no test examples on the client"
@@ -127,7 +130,7 @@ def federated_evaluate(
 def client_summarize(msg: Message, context: Context) -> Message:
     """Federated evaluation, the client's side: ROUGE of the client's own adapter on its own test set, as the
     evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
-    plan = load_plan(plan_path_of(msg, context))
+    plan = served_plan(msg, context)
     name = client_name(context)
     cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])), "query.summarize: evaluate")
     partition = read_partition(plan.paths["partition"])
@@ -188,8 +191,7 @@ class DeploymentRecorder(TrainRecorder):
         if self.cfg is None or self.every <= 0 or entry.round % self.every or entry.round >= plan.train.rounds:
             return
         metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout, self.nodes)
-        # on disk too, so the scores are kept without MLflow (run config mlflow=false)
-        self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ("clients", "mean", "failed_clients")})
+        self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ROUND_KEYS})
         atomic.write_json(
             PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL, {"experiment": plan.experiment, "rounds": self.per_round}
         )

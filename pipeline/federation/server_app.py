@@ -14,12 +14,13 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from pipeline.experiments.plans import Plan
+from pipeline.experiments.plans import Plan, plan_hash
 from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     METRICS_KEY,
+    PLAN_HASH,
     SECAGG_CLIPPED_KEY,
     TRAIN_METRICS,
     GridView,
@@ -123,7 +124,7 @@ def run_server(
     state = arrays.to_torch_state_dict()  # the global as tensors, converted once each time it changes
     recorder.started(plan, clients, start)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
-    config = {"plan": plan_path, **(client_settings_config(cache) if cache is not None else {})}
+    config = {"plan": plan_path, PLAN_HASH: plan_hash(plan), **(client_settings_config(cache) if cache else {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
@@ -142,23 +143,26 @@ def run_server(
         view = GridView(grid, admitted)  # a new client joins at its round
         # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
+        # The global goes encoded once; a lossy one's clients train from q(W), not W: their updates are against it.
+        downlink = encode_global(state, plan)
+        base = (
+            arrays
+            if plan.train.transfer_dtype == "fp32"
+            else ArrayRecord.from_torch_state_dict(decode_global(downlink, plan))
+        )
         # no node at all: nothing to configure (Flower's strategies would wait for one in a view that gets none); the
         # DP strategy draws an empty sample then and releases this round's global W plus its noise (it keeps W)
         messages = (
-            list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view)) if admitted or client_level else []
+            list(strategy.configure_train(rnd, base, ConfigRecord(config), view)) if admitted or client_level else []
         )
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
-        # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
-        # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.
-        downlink = encode_global(state, plan)
-        sent = decode_global(downlink, plan) if delta_encoded(plan) else None  # what every client decodes
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
         waiting = {late} if joined_at is None else set()  # the late client before its round
         rows = _round_rows(rnd, messages, admitted, set(clients) - set(connected.values()) - waiting, node_names)
         exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s, client_level, clipping_norm)
         if secure is None:
-            new_arrays = _train_in_the_clear(exchange, messages, plan, sent, arrays)
+            new_arrays = _train_in_the_clear(exchange, messages, plan, base)
         else:
             new_arrays = _train_secure(secure, exchange, messages)
 
@@ -223,20 +227,25 @@ def _record_weight_shares(rows: dict[str, dict[str, Any]], client_level) -> None
 
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:
-    """The evaluate step of a round: each reply's validation loss, tokens and best round into its client's row."""
+    """The evaluate step of a round: each reply's validation loss, tokens and best round into its client's row; a
+    client whose reply failed or did not come within the timeout is logged and marked ``eval_failed``."""
     for m in messages:
         m.content[ARRAYS_KEY] = downlink
         r.rows[r.node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
     replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
     sender = _senders(messages, r.node_names)
+    why = {r.node_names[m.metadata.dst_node_id]: f"no reply within {r.timeout:.0f}s" for m in messages}
     for reply in replies:
         row = r.rows[sender(reply)]
         if reply.has_error():
-            row["eval_failed"] = 1
-            log.warning("round %d: client %s failed to evaluate: %s", r.rnd, row["client"], error_line(reply))
+            why[row["client"]] = error_line(reply)
             continue
+        why.pop(row["client"], None)
         m = reply.content[METRICS_KEY]
         row.update(val_loss=float(m["val-loss"]), val_tokens=int(m["val-tokens"]), best_round=int(m["best-round"]))
+    for name, reason in why.items():
+        r.rows[name]["eval_failed"] = 1
+        log.warning("round %d: client %s failed to evaluate: %s", r.rnd, name, reason)
     if any(not reply.has_error() for reply in replies):
         r.strategy.aggregate_evaluate(r.rnd, replies)
 
@@ -256,11 +265,10 @@ def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
     log.warning("round %d: client %s is left out of the aggregate: %s", r.rnd, row["client"], why)
 
 
-def _train_in_the_clear(
-    r: _Round, messages: list[Message], plan: Plan, sent: dict[str, torch.Tensor] | None, global_arrays: ArrayRecord
-) -> ArrayRecord | None:
-    """The train step of a plain round; under client-level DP each decoded update is checked against this round's C
-    and ``r.clipped`` gets (clipped or not, its norm) per aggregated client."""
+def _train_in_the_clear(r: _Round, messages: list[Message], plan: Plan, base: ArrayRecord) -> ArrayRecord | None:
+    """The train step of a plain round from the global ``base`` (as the clients decode it); under client-level DP each
+    decoded update is checked against this round's C and ``r.clipped`` gets (clipped or not, its norm) per client."""
+    sent = base.to_torch_state_dict() if delta_encoded(plan) else None  # the delta-encoded replies' reference
     replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
     sender = _senders(messages, r.node_names)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
@@ -274,7 +282,7 @@ def _train_in_the_clear(
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
         try:
             reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
-            update = r.client_level.clipped(reply, global_arrays, r.clipping_norm) if r.client_level else (0, 0.0)
+            update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
             why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
         except (KeyError, ValueError) as exc:
             why = f"it cannot be decoded: {exc}"
