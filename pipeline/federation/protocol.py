@@ -38,6 +38,18 @@ TRAIN_METRICS = {
     "kd-fraction": ("kd_fraction", float),
     "proximal": ("proximal", float),
 }
+# Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
+# history row field (privacy_row) and type; an unbounded epsilon or max_grad_norm travels as -1.
+DP_METRICS = {
+    "dp-epsilon": ("epsilon", float),
+    "dp-delta": ("delta", float),
+    "dp-noise-multiplier": ("noise_multiplier", float),
+    "dp-max-grad-norm": ("max_grad_norm", float),
+    "dp-sample-rate": ("sample_rate", float),
+    "dp-steps": ("dp_steps", int),
+    "dp-examples": ("dp_examples", int),
+    "dp-clipped": ("dp_clipped", int),
+}
 # Added under privacy.mode client with client-side clipping: whether the update exceeded C before the mod clipped it.
 CLIPPED_KEY = "dp-update-clipped"
 # Added under SecAgg+: the upload coordinates its quantiser clipped to +-clipping_range.
@@ -153,16 +165,6 @@ def payload_bytes(content: RecordDict) -> int:
 
 def privacy_row(m: MetricRecord) -> dict[str, Any]:
     """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
-    bounded = {key: None if float(m[key]) < 0 else float(m[key]) for key in ("dp-epsilon", "dp-max-grad-norm")}
-    examples, clipped = int(m["dp-examples"]), int(m["dp-clipped"])
-    return {
-        "epsilon": bounded["dp-epsilon"],
-        "delta": float(m["dp-delta"]),
-        "noise_multiplier": float(m["dp-noise-multiplier"]),
-        "max_grad_norm": bounded["dp-max-grad-norm"],
-        "sample_rate": float(m["dp-sample-rate"]),
-        "dp_steps": int(m["dp-steps"]),
-        "dp_examples": examples,
-        "dp_clipped": clipped,
-        "clipped_fraction": clipped / examples if examples else 0.0,
-    }
+    row: dict[str, Any] = {field: kind(m[key]) for key, (field, kind) in DP_METRICS.items()}
+    row |= {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
+    return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}
