@@ -153,6 +153,14 @@ def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] 
     return ArrayRecord.from_torch_state_dict(decoded)
 
 
+def replies_by_node(grid: Grid, messages: list[Message], timeout: float | None) -> dict[int, Message]:
+    """Each reply (in the order they came) by the node its message went to: a SuperLink answers for an offline node
+    itself, from its own id."""
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    node = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}  # ids: given when the grid sends them
+    return {node[r.metadata.reply_to_message_id]: r for r in replies}
+
+
 def error_line(reply: Message) -> str:
     """A failed reply's reason, its first line (a client's is one line, docs/privacy.md), or its code if it has none."""
     return reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"

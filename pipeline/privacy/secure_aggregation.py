@@ -36,6 +36,7 @@ from pipeline.federation.protocol import (
     GridView,
     error_line,
     payload_bytes,
+    replies_by_node,
 )
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 
@@ -171,12 +172,9 @@ class _ObservedGrid(GridView):
         stage = {m.metadata.dst_node_id: str(m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE]) for m in messages}
         for m in messages:
             self.nodes.setdefault(m.metadata.dst_node_id, NodeOutcome()).bytes_down += _wire_bytes(m.content)
-        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
-        # A SuperLink answers for an offline node itself (from its own id): match replies to what they answer.
-        by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+        replies = replies_by_node(self._grid, messages, timeout)
         failed = {node: f"no reply within {timeout}s" for node in stage}  # until it answers
-        for r in replies:
-            node = by_id[r.metadata.reply_to_message_id]
+        for node, r in replies.items():
             if r.has_error():
                 failed[node] = error_line(r)
                 continue
@@ -187,7 +185,7 @@ class _ObservedGrid(GridView):
         for node, reason in failed.items():
             if self.nodes[node].failed_stage is None:  # the first stage it failed in
                 self.nodes[node].failed_stage, self.nodes[node].error = stage[node], reason
-        return replies
+        return list(replies.values())
 
 
 class _Offer(FedAvg):
