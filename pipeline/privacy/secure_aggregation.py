@@ -173,18 +173,15 @@ class _ObservedGrid(GridView):
         for m in messages:
             self.nodes.setdefault(m.metadata.dst_node_id, NodeOutcome()).bytes_down += _wire_bytes(m.content)
         replies = replies_by_node(self._grid, messages, timeout)
-        failed = {node: f"no reply within {timeout}s" for node in stage}  # until it answers
-        for node, r in replies.items():
-            if r.has_error():
-                failed[node] = error_line(r)
-                continue
-            failed.pop(node)
-            self.nodes[node].bytes_up += _wire_bytes(r.content)
-            if stage[node] == Stage.COLLECT_MASKED_VECTORS:
-                self.nodes[node].metrics = dict(r.content.config_records["fitres.metrics"])
-        for node, reason in failed.items():
-            if self.nodes[node].failed_stage is None:  # the first stage it failed in
-                self.nodes[node].failed_stage, self.nodes[node].error = stage[node], reason
+        for node, outcome in ((node, self.nodes[node]) for node in stage):
+            r = replies.get(node)
+            if r is not None and not r.has_error():
+                outcome.bytes_up += _wire_bytes(r.content)
+                if stage[node] == Stage.COLLECT_MASKED_VECTORS:
+                    outcome.metrics = dict(r.content.config_records["fitres.metrics"])
+            elif outcome.failed_stage is None:  # the first stage it failed in, or did not answer in time in
+                outcome.failed_stage = stage[node]
+                outcome.error = error_line(r) if r is not None else f"no reply within {timeout}s"
         return list(replies.values())
 
 
