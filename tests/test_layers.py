@@ -197,9 +197,9 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # site tools' three (a quote in a run-config value, a kit of an absolute plan path, certificates outliving the run);
 # +9 for the last round's five (adaptive server optimisers' Flower defaults, decoding lengths at the backbone stage,
 # the run-wide privacy values under their own MLflow keys, a pending LoggedModel reused, a stale git tag removed);
-# +2 for the CA path's TOML escaping written with config.toml's spacing (the formatter splits the line); -11 from
+# +2 for the CA path's TOML escaping written with config.toml's spacing (the formatter splits the line); -14 from
 # session 15's structure round in federation/ and privacy/ (one DP report table, one reply-to-node matcher).
-PACKAGE_LINE_CEILING = 14_829
+PACKAGE_LINE_CEILING = 14_826
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
