@@ -381,7 +381,8 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
 
     from pipeline.federation.protocol import load_plan
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.privacy.example_dp import poisson_epoch, poisson_steps
+    from pipeline.privacy.example_dp import DPSGDSteps, poisson_steps
+    from pipeline.training.seeds import derived_seed
     from pipeline.training.shared_model import shared_model
 
     plan = load_plan(
@@ -391,7 +392,7 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     examples = _varied_targets()
     mcfg, setting = plan.model_config, SimpleNamespace(sample_rate=0.3, steps_per_epoch=8)
     assert max(_target_tokens(model, plan, examples)) < mcfg.max_target_length
-    sampled = poisson_steps(len(examples), 0.3, 8, 1)
+    sampled = poisson_steps(len(examples), 0.3, 8, derived_seed(3, 0, "poisson"))  # epoch 0 of seed 3
     assert [] in sampled and any(len(idx) > 2 for idx in sampled)  # the seed gives an empty and a multi-batch step
 
     def micro_batches(frame):  # as train_local cuts a step's sample
@@ -406,7 +407,9 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
         )
         return [(b, float(len(b))) for b in batches]
 
-    steps = poisson_epoch(examples, micro_batches, setting, seed=1)
+    stepper = DPSGDSteps(torch.nn.Linear(1, 1), setting, 3, examples, micro_batches)
+    steps = stepper.epoch(0)
+    stepper.close()
     assert len(steps) == len(sampled)
     for idx, step in zip(sampled, steps):
         ids = [e for batch, _ in step for e in batch.example_ids]

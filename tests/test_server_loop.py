@@ -876,10 +876,12 @@ def test_identify_names_every_node_and_rejects_two_claiming_one_client(ws):
 
 
 def test_replies_sent_by_the_superlink_for_an_offline_node_are_matched_to_their_message():
+    from types import SimpleNamespace
+
     from flwr.app import Message, RecordDict
 
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.server_app import _senders
+    from pipeline.federation.protocol import replies_by_node
 
     _set_server_identity(1)
     sent = []
@@ -887,12 +889,11 @@ def test_replies_sent_by_the_superlink_for_an_offline_node_are_matched_to_their_
         m = Message(RecordDict(), dst_node_id=node, message_type="train")
         m.metadata.__dict__["_message_id"] = mid
         sent.append(m)
-    sender = _senders(sent, {7: "Academic", 8: "Committee"})
     by_node = Message(RecordDict(), reply_to=sent[0])
-    assert sender(by_node) == "Academic"
     relayed = Message(RecordDict(), reply_to=sent[1])
     relayed.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, not the node's
-    assert sender(relayed) == "Committee"
+    grid = SimpleNamespace(send_and_receive=lambda messages, timeout=None: [relayed, by_node])
+    assert replies_by_node(grid, sent, 5) == {8: relayed, 7: by_node}
 
 
 # ----------------------------------------------------------------------------------------------- admission

@@ -26,7 +26,15 @@ from pipeline.experiments.plans import Plan, plan_hash
 from pipeline.experiments.settings import RunSettings
 from pipeline.federation.admission import connected_nodes
 from pipeline.federation.client_app import client_app, client_dir, client_name, served_plan
-from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, PLAN_HASH, error_line, load_plan, plan_path_of
+from pipeline.federation.protocol import (
+    CONFIG_KEY,
+    METRICS_KEY,
+    PLAN_HASH,
+    error_line,
+    load_plan,
+    plan_path_of,
+    replies_by_node,
+)
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_adapter, save_adapter
 from pipeline.paths import PATHS
@@ -100,12 +108,12 @@ def federated_evaluate(
     queries = [
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
     ]
-    replies = list(grid.send_and_receive(queries, timeout=timeout))
-    node = {q.metadata.message_id: q.metadata.dst_node_id for q in queries}  # a SuperLink answers for offline nodes
-    failed = {f"node {node[r.metadata.reply_to_message_id]}": error_line(r) for r in replies if r.has_error()}
-    received = {str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies if not r.has_error()}
-    answered = {node[r.metadata.reply_to_message_id] for r in replies}
-    failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in answered}
+    replies = replies_by_node(grid, queries, timeout)
+    failed = {f"node {n}": error_line(r) for n, r in replies.items() if r.has_error()}
+    received = {
+        str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies.values() if not r.has_error()
+    }
+    failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in replies}
     # The plan's clients only (a refused node answers too), in the evaluate stage's (partition's) order so means add
     # up alike; a plan without declared clients: names as the clients gave them (the server holds no partition file).
     order = list(plan.clients) if plan.clients else sorted(received)

@@ -1,7 +1,6 @@
 """A local deployment of one experiment (a SuperLink and one SuperNode per client on 127.0.0.1, then ``flwr run``,
-with TLS and SuperNode authentication if asked; docs/federation.md) and the processes it starts (each in its own group,
-stopped with the descendants it spawned, also at interpreter exit); also a run's status and the ServerApp's run config
-from a params file. Its processes are pipeline.federation.processes, its TLS files pipeline.federation.tls. The training
+with TLS and SuperNode authentication if asked; docs/federation.md; its processes: pipeline.federation.processes, its
+TLS files: pipeline.federation.tls), a run's status, and the ServerApp's run config from a params file. The training
 side is imported inside the functions that need it: `python -m pipeline.federation status` starts without torch."""
 
 from __future__ import annotations

@@ -38,6 +38,18 @@ TRAIN_METRICS = {
     "kd-fraction": ("kd_fraction", float),
     "proximal": ("proximal", float),
 }
+# Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
+# history row field (privacy_row) and type; an unbounded epsilon or max_grad_norm travels as -1.
+DP_METRICS = {
+    "dp-epsilon": ("epsilon", float),
+    "dp-delta": ("delta", float),
+    "dp-noise-multiplier": ("noise_multiplier", float),
+    "dp-max-grad-norm": ("max_grad_norm", float),
+    "dp-sample-rate": ("sample_rate", float),
+    "dp-steps": ("dp_steps", int),
+    "dp-examples": ("dp_examples", int),
+    "dp-clipped": ("dp_clipped", int),
+}
 # Added under privacy.mode client with client-side clipping: whether the update exceeded C before the mod clipped it.
 CLIPPED_KEY = "dp-update-clipped"
 # Added under SecAgg+: the upload coordinates its quantiser clipped to +-clipping_range.
@@ -141,6 +153,14 @@ def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] 
     return ArrayRecord.from_torch_state_dict(decoded)
 
 
+def replies_by_node(grid: Grid, messages: list[Message], timeout: float | None) -> dict[int, Message]:
+    """Each reply (in the order they came) by the node its message went to: a SuperLink answers for an offline node
+    itself, from its own id."""
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    node = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}  # ids: given when the grid sends them
+    return {node[r.metadata.reply_to_message_id]: r for r in replies}
+
+
 def error_line(reply: Message) -> str:
     """A failed reply's reason, its first line (a client's is one line, docs/privacy.md), or its code if it has none."""
     return reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
@@ -153,16 +173,6 @@ def payload_bytes(content: RecordDict) -> int:
 
 def privacy_row(m: MetricRecord) -> dict[str, Any]:
     """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
-    bounded = {key: None if float(m[key]) < 0 else float(m[key]) for key in ("dp-epsilon", "dp-max-grad-norm")}
-    examples, clipped = int(m["dp-examples"]), int(m["dp-clipped"])
-    return {
-        "epsilon": bounded["dp-epsilon"],
-        "delta": float(m["dp-delta"]),
-        "noise_multiplier": float(m["dp-noise-multiplier"]),
-        "max_grad_norm": bounded["dp-max-grad-norm"],
-        "sample_rate": float(m["dp-sample-rate"]),
-        "dp_steps": int(m["dp-steps"]),
-        "dp_examples": examples,
-        "dp_clipped": clipped,
-        "clipped_fraction": clipped / examples if examples else 0.0,
-    }
+    row: dict[str, Any] = {field: kind(m[key]) for key, (field, kind) in DP_METRICS.items()}
+    row |= {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
+    return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}

@@ -33,6 +33,7 @@ from pipeline.federation.protocol import (
     load_plan,
     payload_bytes,
     privacy_row,
+    replies_by_node,
 )
 from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
@@ -57,12 +58,6 @@ def save_server_checkpoint(plan: Plan, rnd: int, state: dict[str, torch.Tensor],
 
 def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
     return checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan)
-
-
-def _senders(sent: list[Message], node_names: dict[int, str]):
-    """reply -> client name; a SuperLink's own answer for an offline node is matched to the message it answers."""
-    by_message = {m.metadata.message_id: node_names[m.metadata.dst_node_id] for m in sent}
-    return lambda reply: node_names.get(reply.metadata.src_node_id) or by_message[reply.metadata.reply_to_message_id]
 
 
 @dataclass
@@ -232,11 +227,10 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
     for m in messages:
         m.content[ARRAYS_KEY] = downlink
         r.rows[r.node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
-    replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
-    sender = _senders(messages, r.node_names)
+    replies = replies_by_node(r.grid, messages, r.timeout)
     why = {r.node_names[m.metadata.dst_node_id]: f"no reply within {r.timeout:.0f}s" for m in messages}
-    for reply in replies:
-        row = r.rows[sender(reply)]
+    for node, reply in replies.items():
+        row = r.rows[r.node_names[node]]
         if reply.has_error():
             why[row["client"]] = error_line(reply)
             continue
@@ -246,8 +240,8 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
     for name, reason in why.items():
         r.rows[name]["eval_failed"] = 1
         log.warning("round %d: client %s failed to evaluate: %s", r.rnd, name, reason)
-    if any(not reply.has_error() for reply in replies):
-        r.strategy.aggregate_evaluate(r.rnd, replies)
+    if any(not reply.has_error() for reply in replies.values()):
+        r.strategy.aggregate_evaluate(r.rnd, list(replies.values()))
 
 
 def _record_train_metrics(row: dict[str, Any], m) -> None:
@@ -269,11 +263,10 @@ def _train_in_the_clear(r: _Round, messages: list[Message], plan: Plan, base: Ar
     """The train step of a plain round from the global ``base`` (as the clients decode it); under client-level DP each
     decoded update is checked against this round's C and ``r.clipped`` gets (clipped or not, its norm) per client."""
     sent = base.to_torch_state_dict() if delta_encoded(plan) else None  # the delta-encoded replies' reference
-    replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
-    sender = _senders(messages, r.node_names)
+    replies = replies_by_node(r.grid, messages, r.timeout)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
-    for reply in replies:
-        row = r.rows[sender(reply)]
+    for node, reply in replies.items():
+        row = r.rows[r.node_names[node]]
         if reply.has_error():
             row["error"] = error_line(reply)
             _left_out(r, row, f"it failed: {row['error']}")
@@ -293,11 +286,9 @@ def _train_in_the_clear(r: _Round, messages: list[Message], plan: Plan, base: Ar
         if r.client_level is not None:
             r.clipped[row["client"]] = update
         _record_train_metrics(row, reply.content[METRICS_KEY])
-    answered = {sender(reply) for reply in replies}
-    for name, row in r.rows.items():
-        if row["sampled"] and name not in answered:
-            _left_out(r, row, f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
-    return r.strategy.aggregate_train(r.rnd, [reply for reply in replies if id(reply) not in left_out])[0]
+    for node in (m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in replies):
+        _left_out(r, r.rows[r.node_names[node]], f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
+    return r.strategy.aggregate_train(r.rnd, [reply for reply in replies.values() if id(reply) not in left_out])[0]
 
 
 def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | None:

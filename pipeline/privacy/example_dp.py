@@ -52,7 +52,11 @@ class DPSGDSteps:
         self.examples = 0  # per-example gradients clipped or not
 
     def epoch(self, epoch: int) -> list[list[tuple[Any, float]]]:
-        return poisson_epoch(self.frame, self.micro_batches, self.setting, derived_seed(self.seed, epoch, "poisson"))
+        """One epoch of DP-SGD: Poisson-sampled logical batches (a step may be empty), each cut by ``micro_batches``
+        into (micro-batch, per-example loss scale) pairs (pipeline.training.client_training.per_example_loss_scale)."""
+        seed = derived_seed(self.seed, epoch, "poisson")
+        sampled = poisson_steps(len(self.frame), self.setting.sample_rate, self.setting.steps_per_epoch, seed)
+        return [self.micro_batches(self.frame.iloc[idx]) if idx else [] for idx in sampled]
 
     def backward(self, loss: torch.Tensor, weight: float) -> None:
         (loss * weight).backward()  # weight turns the batch mean into the sum of per-example losses
@@ -87,10 +91,3 @@ class DPSGDSteps:
 
     def close(self) -> None:
         self._hooks.cleanup()  # opacus removes its hooks and the grad_sample attributes of the parameters
-
-
-def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, seed: int) -> list[list[tuple[Any, float]]]:
-    """One epoch of DP-SGD: Poisson-sampled logical batches (a step may be empty), each cut by ``micro_batches`` into
-    (micro-batch, per-example loss scale) pairs (pipeline.training.client_training.per_example_loss_scale)."""
-    sampled = poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed)
-    return [micro_batches(examples.iloc[idx]) if idx else [] for idx in sampled]

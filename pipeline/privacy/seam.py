@@ -5,6 +5,7 @@ federation call them (they do not import privacy); the entry points that build r
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from dataclasses import asdict
@@ -15,7 +16,7 @@ from flwr.client.mod import make_ffn
 
 from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
-from pipeline.federation.protocol import load_plan, plan_path_of
+from pipeline.federation.protocol import DP_METRICS, load_plan, plan_path_of
 from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
 from pipeline.privacy.client_dp import ClientLevelDP, client_dp_mod
 from pipeline.privacy.example_dp import DPSGDSteps
@@ -133,16 +134,9 @@ def account(context, result) -> dict[str, float | int]:
         return {}
     total = (dp_steps(context) or 0) + int(result.n_steps)
     restore_dp_steps(context, total)
-    eps, c = setting.epsilon(total), setting.max_grad_norm
+    values = vars(result) | vars(setting) | {"epsilon": setting.epsilon(total), "dp_steps": total}
     return {
-        "dp-epsilon": float(eps) if eps != float("inf") else -1.0,
-        "dp-delta": float(setting.delta),
-        "dp-noise-multiplier": float(setting.noise_multiplier),
-        "dp-max-grad-norm": float(c) if c != float("inf") else -1.0,
-        "dp-sample-rate": float(setting.sample_rate),
-        "dp-steps": int(total),
-        "dp-examples": int(result.dp_examples),
-        "dp-clipped": int(result.dp_clipped),
+        key: -1.0 if values[field] == math.inf else kind(values[field]) for key, (field, kind) in DP_METRICS.items()
     }
 
 

@@ -36,6 +36,7 @@ from pipeline.federation.protocol import (
     GridView,
     error_line,
     payload_bytes,
+    replies_by_node,
 )
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 
@@ -171,23 +172,17 @@ class _ObservedGrid(GridView):
         stage = {m.metadata.dst_node_id: str(m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE]) for m in messages}
         for m in messages:
             self.nodes.setdefault(m.metadata.dst_node_id, NodeOutcome()).bytes_down += _wire_bytes(m.content)
-        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
-        # A SuperLink answers for an offline node itself (from its own id): match replies to what they answer.
-        by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-        failed = {node: f"no reply within {timeout}s" for node in stage}  # until it answers
-        for r in replies:
-            node = by_id[r.metadata.reply_to_message_id]
-            if r.has_error():
-                failed[node] = error_line(r)
-                continue
-            failed.pop(node)
-            self.nodes[node].bytes_up += _wire_bytes(r.content)
-            if stage[node] == Stage.COLLECT_MASKED_VECTORS:
-                self.nodes[node].metrics = dict(r.content.config_records["fitres.metrics"])
-        for node, reason in failed.items():
-            if self.nodes[node].failed_stage is None:  # the first stage it failed in
-                self.nodes[node].failed_stage, self.nodes[node].error = stage[node], reason
-        return replies
+        replies = replies_by_node(self._grid, messages, timeout)
+        for node, outcome in ((node, self.nodes[node]) for node in stage):
+            r = replies.get(node)
+            if r is not None and not r.has_error():
+                outcome.bytes_up += _wire_bytes(r.content)
+                if stage[node] == Stage.COLLECT_MASKED_VECTORS:
+                    outcome.metrics = dict(r.content.config_records["fitres.metrics"])
+            elif outcome.failed_stage is None:  # the first stage it failed in, or did not answer in time in
+                outcome.failed_stage = stage[node]
+                outcome.error = error_line(r) if r is not None else f"no reply within {timeout}s"
+        return list(replies.values())
 
 
 class _Offer(FedAvg):
