@@ -201,3 +201,20 @@ def test_the_statistics_docs_query_and_meeting_counts_are_the_cpu_studys_test_se
     meeting = scores["example_id"].str.rsplit("/", n=1).str[0]  # pipeline.results.stats.meetings
     per_client = ", ".join(f"{c} {n}" for c, n in meeting.groupby(scores["client"]).nunique().items())
     assert f"QMSum's {len(scores)} test queries come from {meeting.nunique()} meetings ({per_client})" in text
+
+
+def test_the_statistics_docs_expected_test_overlap_over_seeds_is_the_partitions():
+    """docs/statistics.md: with 3 seeds a client keeps in common "244 / 27 = 9 of ~81 for an iid client, 129 (40 /
+    129)³ = 4 of 40 for non-iid Product": the iid partition deals the 244 test queries to 3 clients, noniid_balanced
+    draws 40 of Product's 129 (the committed partition reports and params.yaml)."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())["partition"]
+    text = " ".join((ROOT / "docs/statistics.md").read_text(encoding="utf-8").split())
+    iid = json.loads((ROOT / "reports/partitions/iid-seed0.json").read_text())["clients"]
+    tests = [c["sizes"]["test"] for c in iid.values()]
+    k = params["iid"]["n_clients"]
+    product = json.loads((ROOT / "reports/partitions/domain-seed0.json").read_text())["clients"]["Product"]["sizes"]
+    drawn = params["noniid_balanced"]["sizes"]["test"]
+    n, pool = sum(tests), product["test"]
+    assert len(tests) == k == 3 and round(sum(tests) / k) == 81
+    assert f"expected {n} / {k**3} = {n / k**3:.0f} of ~{round(n / k)} for an iid client" in text
+    assert f"{pool} ({drawn} / {pool})³ = {pool * (drawn / pool) ** 3:.0f} of {drawn} for non-iid Product" in text
