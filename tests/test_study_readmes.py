@@ -218,3 +218,25 @@ def test_the_statistics_docs_expected_test_overlap_over_seeds_is_the_partitions(
     assert len(tests) == k == 3 and round(sum(tests) / k) == 81
     assert f"expected {n} / {k**3} = {n / k**3:.0f} of ~{round(n / k)} for an iid client" in text
     assert f"{pool} ({drawn} / {pool})³ = {pool * (drawn / pool) ** 3:.0f} of {drawn} for non-iid Product" in text
+
+
+def test_the_statistics_docs_settings_are_params_and_the_committed_studies():
+    """docs/statistics.md's settings: the claim rules and the identical-summary warning (params.yaml), the main
+    study's client-average family (reports/tables/comparisons.csv), and the stop rule (configs/gpu-study.yaml) with
+    the CPU study's curves it was chosen on (its train records: runs and fixed rounds)."""
+    pd = pytest.importorskip("pandas")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    stop = yaml.safe_load((ROOT / "configs/gpu-study.yaml").read_text())["train"]["stop"]
+    text = " ".join((ROOT / "docs/statistics.md").read_text(encoding="utf-8").split())
+    table = pd.read_csv(ROOT / "reports/tables/comparisons.csv")
+    family = table[(table.study == "main") & (table.client == "client average") & (table.metric == "avg_rouge")]
+    assert f"(the main study {len(family)} on the client average)" in text
+    seeds = params["report"]["claim_min_seeds"]
+    assert f"`report.claim_min_seeds` ({seeds};" in text and f"`report.claim_min_seeds: {seeds}`" in text
+    assert f"fewer than {seeds} seeds states its numbers" in text
+    assert f"`bootstrap.identical_warning` ({100 * params['bootstrap']['identical_warning']:.0f} %)" in text
+    runs = [json.loads(p.read_text()) for p in sorted((STUDY / "train").glob("*/metrics.json"))]
+    rounds = yaml.safe_load((STUDY / "params.yaml").read_text())["train"]["rounds"]
+    assert f"in each of the last {stop['patience']} rounds" in text and stop["enabled"]
+    assert f"by less than {100 * stop['min_rel_improvement']:g} %, or at {stop['max_rounds']} rounds" in text
+    assert f"CPU study's {len(runs)} committed curves ({rounds} fixed rounds each" in text
