@@ -254,3 +254,23 @@ def test_the_readmes_test_time_limit_is_pyprojects():
     assert f"(pytest-timeout: {limit} s unless a test carries its own)" in " ".join(
         (ROOT / "README.md").read_text().split()
     )
+
+
+def test_the_readmes_setup_and_repro_numbers_are_the_makefiles_and_pyprojects():
+    """README.md: "torch 2.13.0 CPU wheel first" (pyproject.toml's pin, which the Makefile installs first), "two at a
+    time where independent" (the Makefile's REPRO_JOBS lanes), and the last run's date (reports/tables/timing.md's
+    finish times: the run the README's minutes and memory come from)."""
+    import tomllib
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    makefile = (ROOT / "Makefile").read_text()
+    pins = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"] if "torch" in d]
+    version = pins[0].split("==")[1]
+    assert pins == [f"torch=={version}"] and f"pip install -q torch=={version}" in makefile
+    assert f"(torch {version} CPU wheel first, so nothing pulls a CUDA build)" in readme
+    jobs = int(re.search(r"^REPRO_JOBS \?= (\d+)$", makefile, re.M)[1])
+    assert "xargs -P $(REPRO_JOBS)" in makefile and {2: "two"}[jobs] + " at a time where independent" in readme
+    finished = set(
+        re.findall(r"\| (\d{4}-\d\d-\d\d)T[\d:]+\+00:00 \|", (ROOT / "reports/tables/timing.md").read_text())
+    )
+    assert f"In the last run ({min(finished)}, every stage forced)" in readme  # the day it started
