@@ -274,3 +274,28 @@ def test_the_readmes_setup_and_repro_numbers_are_the_makefiles_and_pyprojects():
         re.findall(r"\| (\d{4}-\d\d-\d\d)T[\d:]+\+00:00 \|", (ROOT / "reports/tables/timing.md").read_text())
     )
     assert f"In the last run ({min(finished)}, every stage forced)" in readme  # the day it started
+
+
+def test_the_package_versions_the_docs_name_are_pyprojects_pins():
+    """Every "Flower 1.41" / "flwr 1.41", "opacus 1.6", "MLflow 3.17", "rouge-score 0.1.2" and "the pinned 5.23"
+    (transformers) in README.md and docs/*.md is (a prefix of) the version pyproject.toml pins."""
+    import tomllib
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = dict(d.split("==") for d in dependencies if "==" in d)
+    names = {"flower": "flwr", "flwr": "flwr", "opacus": "opacus", "mlflow": "mlflow", "rouge-score": "rouge-score"}
+    found, wrong = 0, []
+    for doc in DOCS:
+        text = " ".join(doc.read_text().split())
+        mentions = [
+            (names[m[0].lower()], m[1])
+            for m in re.findall(r"\b(Flower|flwr|opacus|MLflow|rouge-score) (\d+\.\d+[\d.]*)", text)
+        ]
+        mentions += [("transformers", v) for v in re.findall(r"\(the pinned (\d+\.\d+)'s name\)", text)]
+        found += len(mentions)
+        wrong += [
+            f"{doc.name}: {pkg} {v} (pinned {pins[pkg]})"
+            for pkg, v in mentions
+            if not f"{pins[pkg]}.".startswith(f"{v}.")
+        ]
+    assert found >= 10 and not wrong, wrong
