@@ -80,6 +80,12 @@ def test_accountant_reproduces_the_tff_dp_fedavg_tutorial():
         # opacus' RDP accountant (fractional orders too, so at most a little tighter)
         assert independent - 0.01 <= ours(m) <= independent + 1e-9
     assert ours(120) <= TFF_EPS < ours(119)
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs/privacy.md").read_text(encoding="utf-8").split())
+    delta = f"{TFF_DELTA:.0e}".replace("e-0", "e-")
+    assert (
+        f"({TFF_CLIENTS} clients, {TFF_ROUNDS} rounds, delta {delta}: 120 clients per round at z = "
+        f"{0.5 * 120 / 50:g} give epsilon < {TFF_EPS:g}, 119 at z = {0.5 * 119 / 50:g} do not)"
+    ) in docs
 
 
 def test_target_epsilon_gives_the_noise_for_the_planned_rounds():
