@@ -299,3 +299,30 @@ def test_the_package_versions_the_docs_name_are_pyprojects_pins():
             if not f"{pins[pkg]}.".startswith(f"{v}.")
         ]
     assert found >= 10 and not wrong, wrong
+
+
+def test_the_federation_docs_timeouts_heartbeats_and_secagg_messages_are_the_codes():
+    """docs/federation.md: the admission and round timeouts' defaults (params.yaml's, and RunSettings' when a run
+    config leaves them out), "two missed 30 s heartbeats" (Flower's patience and default interval; docs/performance.md
+    "60 s to notice a lost node"), and "4 train messages per client and round" of SecAgg+ (its stages; the same in
+    docs/privacy.md)."""
+    import yaml
+    from flwr.common import constant
+    from flwr.common.secure_aggregation.secaggplus_constants import Stage
+
+    from pipeline.experiments.settings import RunSettings
+
+    text = " ".join((ROOT / "docs/federation.md").read_text().split())
+    train = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
+    admission, round_ = train["admission_timeout_s"], train["round_timeout_s"]
+    assert (admission, round_) == (RunSettings.admission_timeout_s, RunSettings.round_timeout_s)
+    assert f"(run config `admission-timeout-s`; default {admission:g} s)" in text
+    assert f"(`train.round_timeout_s`, run config `round-timeout-s`; default {round_:g} s)" in text
+    patience, interval = constant.HEARTBEAT_PATIENCE, constant.HEARTBEAT_DEFAULT_INTERVAL
+    assert f"({ {2: 'two'}[patience] } missed {interval} s heartbeats)" in text
+    assert f"{patience * interval} s to notice a lost node" in " ".join(
+        (ROOT / "docs/performance.md").read_text().split()
+    )
+    stages = len(Stage.all())
+    assert f"docs/privacy.md; {stages} train messages per client and round" in text
+    assert f"sends each client {stages} train messages" in " ".join((ROOT / "docs/privacy.md").read_text().split())
