@@ -326,3 +326,43 @@ def test_the_federation_docs_timeouts_heartbeats_and_secagg_messages_are_the_cod
     stages = len(Stage.all())
     assert f"docs/privacy.md; {stages} train messages per client and round" in text
     assert f"sends each client {stages} train messages" in " ".join((ROOT / "docs/privacy.md").read_text().split())
+
+
+def test_the_backbone_docs_model_warm_up_and_presets_are_the_records_and_configs():
+    """docs/backbone.md: the offline backbone's layers, hidden size, vocabulary and parameters (a committed
+    backbone record, reports/cpu-study/backbone.json), the CPU profile's warm-up (params.yaml), and each paper
+    preset's row of the table (k, m, lr, batch, weight decay, lambda, tau, seeds, beam: configs/paper-*.yaml)."""
+    import json
+
+    import yaml
+
+    text = " ".join((ROOT / "docs/backbone.md").read_text().split())
+    record = json.loads((ROOT / "reports/cpu-study/backbone.json").read_text())
+    assert (
+        f"({record['decoder_layers']} layers, hidden size {record['hidden_size']}, uncased "
+        f"{record['vocab_size'] - 1:,}-WordPiece vocabulary plus `{record['sep_token']}`, "
+        f"{record['parameters'] / 1e6:.0f}M parameters)"
+    ) in text
+    warmup = yaml.safe_load((ROOT / "params.yaml").read_text())["backbone"]["warmup"]
+    assert (
+        f"(`backbone.warmup`: {warmup['steps']} steps of {warmup['batch_size']} dialogues in the CPU profile)" in text
+    )
+    lines = (ROOT / "docs/backbone.md").read_text().splitlines()
+    rows = {
+        c[0].strip("` "): c[1] for c in (ln.strip("| ").split(" | ") for ln in lines if ln.startswith("| `configs/"))
+    }
+    for name in ("paper-bart-large", "paper-bart-base", "paper-led-large"):
+        preset = yaml.safe_load((ROOT / f"configs/{name}.yaml").read_text())
+        model, train = preset["model"], preset["train"]
+        row = rows[f"configs/{name}.yaml"]
+        seeds = {e["seed"] for e in preset["experiments"].values()}
+        assert row.split(", ")[1:3] == [f"k={model['top_k']}", f"m={model['bottleneck']}"], row
+        assert f"{len(seeds)} seeds" in row and seeds == set(preset["partition"]["seeds"]), row
+        if name == "paper-bart-large":
+            batch = train["batch_size"] * train["grad_accum_steps"]
+            assert (
+                f"lr {train['lr']:.0e}, batch {batch}, weight decay {train['weight_decay']}, lambda "
+                f"{train['kd_lambda']}, tau {preset['tau']:g}, {len(seeds)} seeds, full data, beam "
+                f"{preset['evaluate']['num_beams']}, every study"
+            ).replace("e-04", "e-4") in row
+            assert train["max_train_examples_per_client"] is None
