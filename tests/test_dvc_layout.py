@@ -450,3 +450,15 @@ def test_the_experiments_docs_metrics_files_and_exp_show_columns_are_what_a_repr
         (len(metrics), r"every evaluation's metrics \(~([\d,]+)\)"),
     ]:
         assert abs(stated(pattern) - got) <= 0.1 * got, (pattern, got)
+
+
+def test_the_architecture_docs_path_table_names_every_dvc_metrics_file():
+    """docs/ARCHITECTURE.md's paths table called reports/metrics.json "the only DVC metrics" and every other report
+    file an uncached output, while dvc.yaml declares each evaluation's metrics.json a (cached) metric too."""
+    text = (ROOT / "docs/ARCHITECTURE.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| DVC metrics |"))
+    metrics = {path: opts for _, path, opts in _stage_sections("metrics")}
+    for path, opts in metrics.items():
+        cached = " (cached" in row.split(f"`{path.replace('${key}', '<experiment>')}`", 1)[1].split(".", 1)[0]
+        assert cached == opts.get("cache", True), path
+    assert "only DVC metrics" not in text
