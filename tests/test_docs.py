@@ -366,3 +366,11 @@ def test_the_backbone_docs_model_warm_up_and_presets_are_the_records_and_configs
                 f"{preset['evaluate']['num_beams']}, every study"
             ).replace("e-04", "e-4") in row
             assert train["max_train_examples_per_client"] is None
+
+
+def test_the_data_docs_reliability_run_time_is_the_committed_reports():
+    """docs/data.md: `make reliability` took "87 s in the last run", reports/reliability.md's run line (it said
+    "about a minute" for 87 s)."""
+    seconds = re.search(r"cases in (\d+) s\.", (ROOT / "reports/reliability.md").read_text())[1]
+    text = " ".join((ROOT / "docs/data.md").read_text().split())
+    assert f"tries these faults on purpose ({seconds} s in the last run)" in text
