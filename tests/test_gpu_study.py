@@ -637,3 +637,18 @@ def test_the_gpu_lease_docs_call_settings_are_the_tools_and_the_profiles():
     assert f"most {GENERATE_ROWS} sources a call; decoding batch {evaluate['batch_size']} x" in doc
     assert f"x {evaluate['num_beams']} beams a run: `evaluate.batch_size` in the profile)" in doc
     assert f"its {warmup['steps']:,} steps ran at" in doc and warmup["fused_adamw"] is True
+
+
+def test_the_gpu_lease_docs_warm_up_pace_is_the_committed_calls_backbone_record():
+    """docs/gpu-lease.md: the GPU study call's warm-up "1,200 steps ran at 11 steps/s with the per-tensor loop, 108
+    of the backbone step's 149 s": reports/bench/gpu-study-call's backbone record (results.tar.gz) and study.json
+    (it read 107 s, tqdm's 01:47, for the record's 108.0)."""
+    call = ROOT / "reports/bench/gpu-study-call"
+    with tarfile.open(call / "results.tar.gz") as tar:
+        warmup = json.loads(tar.extractfile("reports/backbone.json").read())["warmup"]
+    step = next(s for s in json.loads((call / "study.json").read_text())["steps"] if s["step"] == "backbone")
+    doc = " ".join((ROOT / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
+    assert (
+        f"its {warmup['steps']:,} steps ran at {warmup['steps'] / warmup['seconds']:.0f} steps/s with the per-tensor "
+        f"loop, {warmup['seconds']:.0f} of the backbone step's {step['seconds']:.0f} s)"
+    ) in doc
