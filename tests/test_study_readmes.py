@@ -240,3 +240,23 @@ def test_the_statistics_docs_settings_are_params_and_the_committed_studies():
     assert f"in each of the last {stop['patience']} rounds" in text and stop["enabled"]
     assert f"by less than {100 * stop['min_rel_improvement']:g} %, or at {stop['max_rounds']} rounds" in text
     assert f"CPU study's {len(runs)} committed curves ({rounds} fixed rounds each" in text
+
+
+def test_the_cpu_study_readmes_design_and_missing_run_are_its_files():
+    """reports/cpu-study/README.md: the title's "five methods x 3 seeds ... plus two portable KD gates", "warmed up
+    1,200 steps", the lent **NVIDIA H100 80GB** (backbones.json), the 4 recipe variants, and "FedAvg is therefore
+    n = 2 (seeds 0 and 2)" (the evaluations present)."""
+    params = yaml.safe_load((STUDY / "params.yaml").read_text())
+    runs = params["experiments"].values()
+    arms = {(r["method"], r.get("tau_scale")) for r in runs}
+    gates = {a for a in arms if a[1] is not None}
+    seeds = sorted({r["seed"] for r in runs})
+    assert len(arms - gates) == 5 and len(gates) == 2 and len(runs) == len(arms) * len(seeds)
+    assert f"five methods x {len(seeds)} seeds on the full QMSum domain partition, plus two portable KD gates" in TEXT
+    assert f"warmed up {load('backbone.json')['warmup']['steps']:,} steps with cross-attention" in TEXT
+    variants = load("backbones.json")
+    assert f"on a lent **{variants['device'].removesuffix(' HBM3')}** (`backbones.json`)" in TEXT
+    assert f"({len(variants['variants'])} variants) --parallel {len(variants['variants'])}`" in TEXT
+    fedavg = sorted(int(p.name[-1]) for p in (STUDY / "eval").glob("fedavg-domain-s*"))
+    assert fedavg == [0, 2] and "FedAvg is therefore n = 2 (seeds 0 and 2)" in TEXT
+    assert (STUDY / "train/fedavg-domain-s1/metrics.json").exists()  # "It trained (its `train/` files are here)"
