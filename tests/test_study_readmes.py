@@ -235,6 +235,19 @@ def test_the_statistics_docs_settings_are_params_and_the_committed_studies():
     assert f"`report.claim_min_seeds` ({seeds};" in text and f"`report.claim_min_seeds: {seeds}`" in text
     assert f"fewer than {seeds} seeds states its numbers" in text
     assert f"`bootstrap.identical_warning` ({100 * params['bootstrap']['identical_warning']:.0f} %)" in text
+    level, alpha = (
+        100 * params["bootstrap"]["level"],
+        1 - params["bootstrap"]["level"],
+    )  # the claims' test: p_holm < 1 - level
+    assert (
+        f"{level:.0f} % percentile interval" in text
+        and f"The intervals printed are the unadjusted {level:.0f} %" in text
+    )
+    assert (
+        f"is `p_holm` < {alpha:.2g}, so the chance of any false claim in a family is at most {100 * alpha:.0f} %"
+        in text
+    )
+    assert f"A claim is a Holm-adjusted p < {alpha:.2g}" in text
     runs = [json.loads(p.read_text()) for p in sorted((STUDY / "train").glob("*/metrics.json"))]
     rounds = yaml.safe_load((STUDY / "params.yaml").read_text())["train"]["rounds"]
     assert f"in each of the last {stop['patience']} rounds" in text and stop["enabled"]
