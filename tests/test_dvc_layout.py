@@ -462,3 +462,13 @@ def test_the_architecture_docs_path_table_names_every_dvc_metrics_file():
         cached = " (cached" in row.split(f"`{path.replace('${key}', '<experiment>')}`", 1)[1].split(".", 1)[0]
         assert cached == opts.get("cache", True), path
     assert "only DVC metrics" not in text
+
+
+def test_the_experiments_docs_method_list_is_the_registry():
+    """docs/experiments.md "Methods (`experiments.<name>.method`): ..." lists every method the plan stage accepts
+    (pipeline.experiments.methods.METHODS); it left out fedtrimmedavg (11 of 12)."""
+    from pipeline.experiments.methods import METHODS
+
+    text = " ".join((ROOT / "docs/experiments.md").read_text(encoding="utf-8").split())
+    listed = text.split("Methods (`experiments.<name>.method`): ", 1)[1].split(".", 1)[0]
+    assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(METHODS)
