@@ -273,3 +273,22 @@ def test_the_cpu_study_readmes_design_and_missing_run_are_its_files():
     fedavg = sorted(int(p.name[-1]) for p in (STUDY / "eval").glob("fedavg-domain-s*"))
     assert fedavg == [0, 2] and "FedAvg is therefore n = 2 (seeds 0 and 2)" in TEXT
     assert (STUDY / "train/fedavg-domain-s1/metrics.json").exists()  # "It trained (its `train/` files are here)"
+
+
+def test_the_privacy_studys_round_budget_count_is_its_train_records_and_its_table_is_the_rebuilt_one():
+    """reports/privacy/README.md said "every client-run had its best validation round in its last", and the study's
+    top-level study_privacy.md (the export of the experiment's table) counted "72 of 72"; the train records hold one
+    client-run (fedselectkd-eps1-s0, Product: best round 2 of 3) that was not, as the rebuilt
+    tables/study_privacy.md counts (71 of 72). The README's count is the records', and the table the docs name is
+    the one `pipeline.report rebuild` writes."""
+    study = ROOT / "reports/privacy/study"
+    text = " ".join((ROOT / "reports/privacy/README.md").read_text(encoding="utf-8").split())
+    last = []
+    for path in sorted((study / "train").glob("*/metrics.json")):
+        record = json.loads(path.read_text())
+        final = record.get("stopped_round") or record["rounds"]
+        last += [c["best_round"] == final for c in record["clients"].values()]
+    assert f"{sum(last)} of the {len(last)} client-runs had their best validation round in their last" in text
+    table = (study / "tables/study_privacy.md").read_text(encoding="utf-8")
+    assert f"↗ {sum(last)} of {len(last)} client-runs had their best validation round in their last round" in table
+    assert (study / "study_privacy.md").read_text(encoding="utf-8") == table
