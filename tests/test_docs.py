@@ -374,3 +374,20 @@ def test_the_data_docs_reliability_run_time_is_the_committed_reports():
     seconds = re.search(r"cases in (\d+) s\.", (ROOT / "reports/reliability.md").read_text())[1]
     text = " ".join((ROOT / "docs/data.md").read_text().split())
     assert f"tries these faults on purpose ({seconds} s in the last run)" in text
+
+
+def test_the_performance_docs_make_settings_are_the_makefiles_and_pyprojects():
+    """docs/performance.md: `make repro` two at a time (REPRO_JOBS), test-all's three workers (TEST_ALL_JOBS),
+    MUTANTS_JOBS and MUTANTS_NICE's defaults, and the `pytest<9.2` pin."""
+    import tomllib
+
+    text = " ".join((ROOT / "docs/performance.md").read_text().split())
+    makefile = (ROOT / "Makefile").read_text()
+    var = lambda name: int(re.search(rf"^{name} \?= (\d+)$", makefile, re.M)[1])  # noqa: E731
+    words = {1: "one", 2: "two", 3: "three", 4: "four"}
+    assert f"`make repro` runs independent stages {words[var('REPRO_JOBS')]} at a time" in text
+    assert f"runs {words[var('TEST_ALL_JOBS')]} workers (`TEST_ALL_JOBS`)" in text
+    assert f"`MUTANTS_JOBS` (default {var('MUTANTS_JOBS')}) and `MUTANTS_NICE` (default {var('MUTANTS_NICE')})" in text
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    pin = next(d for d in dev if d.startswith("pytest>=")).split("<")[1]
+    assert f"pytest {pin} broke that silently" in text and f"hence the `pytest<{pin}` pin" in text
