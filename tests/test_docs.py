@@ -391,3 +391,14 @@ def test_the_performance_docs_make_settings_are_the_makefiles_and_pyprojects():
     dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
     pin = next(d for d in dev if d.startswith("pytest>=")).split("<")[1]
     assert f"pytest {pin} broke that silently" in text and f"hence the `pytest<{pin}` pin" in text
+
+
+def test_the_architecture_docs_package_cycles_are_the_layer_tests():
+    """docs/ARCHITECTURE.md: "any of the five package cycles of issue 55, experiments-training, ..., breaks it":
+    tests/test_layers.py's NAMED_CYCLES, in number and names."""
+    from tests.test_layers import NAMED_CYCLES
+
+    text = " ".join((ROOT / "docs/ARCHITECTURE.md").read_text().split())
+    words = {4: "four", 5: "five", 6: "six"}
+    pairs = ", ".join(f"{a}-{b}" for a, b in NAMED_CYCLES)
+    assert f"any of the {words[len(NAMED_CYCLES)]} package cycles of issue 55, {pairs}, breaks it" in text
