@@ -402,3 +402,19 @@ def test_the_architecture_docs_package_cycles_are_the_layer_tests():
     words = {4: "four", 5: "five", 6: "six"}
     pairs = ", ".join(f"{a}-{b}" for a, b in NAMED_CYCLES)
     assert f"any of the {words[len(NAMED_CYCLES)]} package cycles of issue 55, {pairs}, breaks it" in text
+
+
+def test_the_architecture_docs_size_rules_are_the_layer_tests_and_ruffs():
+    """docs/ARCHITECTURE.md: "no module over 400 lines" (tests/test_layers.py's MAX_MODULE_LINES), "no function over
+    60 statements" (pyproject.toml's ruff max-statements) and the ceiling's "14,607 lines when it was set" (the
+    ceiling's own comment in tests/test_layers.py)."""
+    import tomllib
+
+    from tests.test_layers import MAX_MODULE_LINES
+
+    text = " ".join((ROOT / "docs/ARCHITECTURE.md").read_text().split())
+    statements = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["pylint"]
+    first = re.search(r"Set at ([\d,]+) lines", (ROOT / "tests/test_layers.py").read_text())[1]
+    assert f"no module over {MAX_MODULE_LINES} lines as ruff formats it" in text
+    assert f"no function over {statements['max-statements']} statements (ruff's PLR0915" in text
+    assert f"({first} lines when it was set;" in text
