@@ -450,6 +450,14 @@ def test_the_experiments_docs_metrics_files_and_exp_show_columns_are_what_a_repr
         (len(metrics), r"every evaluation's metrics \(~([\d,]+)\)"),
     ]:
         assert abs(stated(pattern) - got) <= 0.1 * got, (pattern, got)
+    comment = " ".join(
+        line.lstrip("# ") for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("#")
+    )
+    both = int(re.search(r"every param and dependency hash \(~([\d,]+) columns\)", comment)[1].replace(",", ""))
+    assert abs(both - len(flatten(params)) - len(deps)) <= 0.1 * (len(flatten(params)) + len(deps))
+    assert abs(
+        int(re.search(r"every evaluation's metrics \(~([\d,]+);", comment)[1].replace(",", "")) - len(metrics)
+    ) <= (0.1 * len(metrics))
 
 
 def test_the_architecture_docs_path_table_names_every_dvc_metrics_file():
