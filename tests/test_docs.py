@@ -430,3 +430,32 @@ def test_the_committed_data_statistics_are_the_rendering_of_their_json():
     stats = json.loads((ROOT / "reports/data/stats.json").read_text())
     skipped, links = stats.pop("skipped"), stats.pop("meeting_links")
     assert (ROOT / "reports/data/stats.md").read_text() == stats_markdown(stats, skipped, links)
+
+
+def test_the_performance_docs_warm_up_measurements_are_params_yamls():
+    """docs/performance.md's warm-up recipe numbers (150 x 8 against 120 x 16: 195 vs 334 s, 2.81 vs 5.38 GB, ROUGE-1
+    13.12; activation checkpointing 5.38 -> 3.55 GB for 334 -> 438 s; fused AdamW 0.15 -> 0.03 s a step) are the
+    measurements params.yaml records beside backbone.warmup (it says so), for the recipe it sets."""
+    import yaml
+
+    params = (ROOT / "params.yaml").read_text()
+    warmup = yaml.safe_load(params)["backbone"]["warmup"]
+    comments = " ".join(line.split("#", 1)[1].strip() for line in params.splitlines() if "#" in line)
+    new = re.search(
+        r"(\d+) x (\d+), off: ([\d.]+), ROUGE-1 ([\d.]+), (\d+) s, ([\d.]+) GB",
+        comments[comments.find("200 x 8") + 8 :],
+    )
+    old = re.search(
+        r"(\d+) x (\d+), attention dropout on [^:]*: loss [\d.]+, ROUGE-1 [\d.]+, (\d+) s, ([\d.]+) GB", comments
+    )
+    checkpointing = re.search(r"peak RSS fell ([\d.]+) -> ([\d.]+) GB for (\d+) -> (\d+) s", comments)
+    fused = re.search(r"\(([\d.]+) -> ([\d.]+) s a step on 2", comments)
+    assert (int(new[1]), int(new[2])) == (warmup["steps"], warmup["batch_size"])
+    text = " ".join((ROOT / "docs/performance.md").read_text().split())
+    assert (
+        f"{new[1]} x {new[2]} dialogues reach a better SAMSum score than the earlier {old[1]} x {old[2]} in {new[5]} "
+        f"instead of {old[3]} s, at {new[6]} instead of {old[4]} GB peak (the measurements are in params.yaml)"
+    ) in text
+    assert f"took {fused[1]} s as the per-tensor loop and {fused[2]} s fused" in text and warmup["fused_adamw"]
+    assert f"(ROUGE-1 {new[4]} and loss" in text
+    assert f"{checkpointing[1]} -> {checkpointing[2]} GB for {checkpointing[3]} -> {checkpointing[4]} s" in text
