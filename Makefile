@@ -114,7 +114,8 @@ grid: data-sources
 
 # The experiments side by side with only the headline columns (reports/metrics.json), each evaluation's own
 # client-average avg ROUGE (reports/eval/<exp>/metrics.json), tau and the seed;
-# plain `dvc exp show` also lists every param and dependency hash (~350 columns).
+# plain `dvc exp show` also lists every param and dependency hash (~380 columns) and every evaluation's metrics
+# (~1,400; docs/experiments.md).
 EXP_SHOW_KEEP := ^(Experiment|Created|State|Executor)$$|(.*:)?tau$$|(.*:)?seed$$|(.*:)?(main|kd_usage)\.|(.*:)?mean\.avg_rouge$$
 exp-show: setup
 	$(BIN)/dvc exp show --drop '.*' --keep '$(EXP_SHOW_KEEP)' $(EXP_SHOW_ARGS)

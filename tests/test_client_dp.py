@@ -80,6 +80,12 @@ def test_accountant_reproduces_the_tff_dp_fedavg_tutorial():
         # opacus' RDP accountant (fractional orders too, so at most a little tighter)
         assert independent - 0.01 <= ours(m) <= independent + 1e-9
     assert ours(120) <= TFF_EPS < ours(119)
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs/privacy.md").read_text(encoding="utf-8").split())
+    delta = f"{TFF_DELTA:.0e}".replace("e-0", "e-")
+    assert (
+        f"({TFF_CLIENTS} clients, {TFF_ROUNDS} rounds, delta {delta}: 120 clients per round at z = "
+        f"{0.5 * 120 / 50:g} give epsilon < {TFF_EPS:g}, 119 at z = {0.5 * 119 / 50:g} do not)"
+    ) in docs
 
 
 def test_target_epsilon_gives_the_noise_for_the_planned_rounds():
@@ -705,3 +711,27 @@ def test_a_kd_methods_round_redone_after_a_kill_in_its_evaluate_draws_what_it_dr
     assert privacy["rounds_accounted"] == 2 and privacy["epsilon"] == pytest.approx(
         _opacus_rdp_epsilon(1.0, z, 2, 1e-5), rel=1e-6
     )
+
+
+def test_the_privacy_docs_client_dp_benchmark_settings_are_its_json():
+    """docs/privacy.md: the client-level DP benchmark is "FedAvg on the tiny BART of tests/tiny_models.py at 3, 30
+    and 100 clients, every client or 10 a round, Poisson sampling of clients, C = the median round-1 update norm,
+    server-side fixed clipping, RDP accountant, delta 1e-5, one seed": reports/privacy/client_dp.json's."""
+    root = Path(__file__).resolve().parents[1]
+    bench = json.loads((root / "reports/privacy/client_dp.json").read_text())
+    docs = " ".join((root / "docs/privacy.md").read_text(encoding="utf-8").split())
+    config, privacy = bench["config"], bench["privacy"]
+    sizes, fewer = config["sizes"], {r["sampled"] for r in bench["runs"] if r["sampled"] < r["clients"]}
+    assert bench["method"] == "fedavg" and bench["backbone"].startswith("tiny BART (tests/tiny_models.py")
+    assert {r["clients"] for r in bench["runs"] if r["sampled"] == r["clients"]} == set(sizes) and len(fewer) == 1
+    assert all(
+        p["clipping_norm"] == pytest.approx(np.median(p["round1_update_norms"]), abs=1e-6)
+        for p in bench["pools"].values()
+    )
+    assert (privacy["clipping_side"], privacy["clipping"], privacy["accountant"]) == ("server", "fixed", "rdp")
+    assert isinstance(config["seed"], int)
+    assert (
+        f"FedAvg on the tiny BART of tests/tiny_models.py at {sizes[0]}, {sizes[1]} and {sizes[2]} clients, every "
+        f"client or {fewer.pop()} a round, {privacy['sampling'].capitalize()} sampling of clients, C = the median "
+        f"round-1 update norm, server-side fixed clipping, RDP accountant, delta {privacy['delta']:.0e}, one seed)"
+    ).replace("e-05", "e-5") in docs

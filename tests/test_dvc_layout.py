@@ -413,3 +413,70 @@ def test_every_other_stage_output_the_report_index_lists_is_a_dep_of_the_report_
         p for p in OTHER_OUTPUTS if not any(f"reports/{p}" == d or f"reports/{p}".startswith(d + "/") for d in deps)
     ]
     assert outside == []
+
+
+def test_the_experiments_docs_metrics_files_and_exp_show_columns_are_what_a_repro_workspace_gives():
+    """docs/experiments.md "Comparing experiments": the DVC metrics files are dvc.yaml's (the headline file and each
+    evaluation's), and its column counts are those `dvc exp show` prints in a workspace `make repro` filled: DVC
+    shows every param (params.yaml's leaves), every dependency's hash (dvc.lock's paths) and every key of every
+    metrics file (reports/metrics.json, and one evaluation metrics.json per experiment, its keys a committed
+    evaluation's), a file's key named `<path>:<key>`; `make exp-show` keeps the columns its regex matches from
+    the start (measured 2026-11-27: 101 and 1,844 columns)."""
+    import json
+
+    doc = " ".join((ROOT / "docs/experiments.md").read_text(encoding="utf-8").split())
+    section = doc.split("**Comparing experiments.**", 1)[1].split("- **Settings", 1)[0]
+    paths = [path.replace("${key}", "<exp>") for _, path, _ in _stage_sections("metrics")]
+    assert all(f"`{p}`" in section for p in paths), paths
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    deps = {d["path"] for s in yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"].values() for d in s["deps"]}
+    evaluation = flatten(json.loads((ROOT / "reports/cpu-study/eval/single-domain-s0/metrics.json").read_text()))
+    headline = flatten(json.loads((ROOT / "reports/metrics.json").read_text()))
+    metrics = [*headline, *(f"reports/eval/{e}/metrics.json:{k}" for e in params["experiments"] for k in evaluation)]
+    keep = _make_variable(
+        (ROOT / "Makefile").read_text().replace("EXP_SHOW_KEEP :=", "EXP_SHOW_KEEP ?="), "EXP_SHOW_KEEP"
+    )
+    keep = keep.replace("$$", "$")
+    named = ["Experiment", "Created", "State", "Executor", *metrics, "tau", "params.yaml:seed"]
+    kept = [c for c in named if re.match(keep, c)]
+
+    def stated(pattern: str) -> int:
+        return int(re.search(pattern, section)[1].replace(",", ""))
+
+    for got, pattern in [
+        (len(kept), r"\(~([\d,]+) columns\)"),
+        (len(flatten(params)), r"every parameter \(~([\d,]+) columns\)"),
+        (len(deps), r"every dependency's hash \(~([\d,]+)\)"),
+        (len(metrics), r"every evaluation's metrics \(~([\d,]+)\)"),
+    ]:
+        assert abs(stated(pattern) - got) <= 0.1 * got, (pattern, got)
+    comment = " ".join(
+        line.lstrip("# ") for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("#")
+    )
+    both = int(re.search(r"every param and dependency hash \(~([\d,]+) columns\)", comment)[1].replace(",", ""))
+    assert abs(both - len(flatten(params)) - len(deps)) <= 0.1 * (len(flatten(params)) + len(deps))
+    assert abs(
+        int(re.search(r"every evaluation's metrics \(~([\d,]+);", comment)[1].replace(",", "")) - len(metrics)
+    ) <= (0.1 * len(metrics))
+
+
+def test_the_architecture_docs_path_table_names_every_dvc_metrics_file():
+    """docs/ARCHITECTURE.md's paths table called reports/metrics.json "the only DVC metrics" and every other report
+    file an uncached output, while dvc.yaml declares each evaluation's metrics.json a (cached) metric too."""
+    text = (ROOT / "docs/ARCHITECTURE.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| DVC metrics |"))
+    metrics = {path: opts for _, path, opts in _stage_sections("metrics")}
+    for path, opts in metrics.items():
+        cached = " (cached" in row.split(f"`{path.replace('${key}', '<experiment>')}`", 1)[1].split(".", 1)[0]
+        assert cached == opts.get("cache", True), path
+    assert "only DVC metrics" not in text
+
+
+def test_the_experiments_docs_method_list_is_the_registry():
+    """docs/experiments.md "Methods (`experiments.<name>.method`): ..." lists every method the plan stage accepts
+    (pipeline.experiments.methods.METHODS); it left out fedtrimmedavg (11 of 12)."""
+    from pipeline.experiments.methods import METHODS
+
+    text = " ".join((ROOT / "docs/experiments.md").read_text(encoding="utf-8").split())
+    listed = text.split("Methods (`experiments.<name>.method`): ", 1)[1].split(".", 1)[0]
+    assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(METHODS)

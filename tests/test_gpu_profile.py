@@ -49,6 +49,15 @@ def test_committed_report_is_the_one_generated_from_the_returned_files(number, r
     assert data["device"].startswith("NVIDIA")  # measured on the lent GPU, not on this CPU
 
 
+def test_committed_cpu_engine_section_is_the_one_generated_from_engine_json():
+    """reports/bench/engine.md section 2 (this CPU, one at a time and together) is `python -m benchmarks.engine
+    --render`'s rendering of reports/bench/engine.json; nothing checked it."""
+    from benchmarks import engine
+
+    record = json.loads((ROOT / "reports" / "bench" / "engine.json").read_text())
+    assert _section(ROOT / "reports" / "bench" / "engine.md", 2).strip() == engine.markdown(record).strip()
+
+
 def test_committed_engine_section_is_the_one_generated_from_the_returned_files():
     from benchmarks import gpu_engine
 

@@ -590,3 +590,65 @@ def test_the_engine_reports_set_round_sentences_are_its_json():
         f"Host (b): {big[host]:.2f} s wall and {big[cpu]:.2f} CPU s a round ({big[host] / big['runs']:.2f} s and "
         f"{big[cpu] / big['runs']:.2f} CPU s a run-round)"
     ) in text
+
+
+def test_the_gpu_lease_docs_call_settings_are_the_tools_and_the_profiles():
+    """docs/gpu-lease.md's settings: the study's arms and seeds (configs/gpu-study.yaml) and how
+    --train-processes 3 splits them, the calls' limits and budgets (prepare.lease_calls), the study call's packing
+    reserve, nvidia-smi interval, returned-file piece and py-spy rate (tools/gpu_study/device.py), the evaluation's
+    sources a generate call and decoding batch, the backbone warm-up's steps, and the tiny profile's arms x seeds."""
+    from pipeline.results.evaluation import GENERATE_ROWS
+
+    doc = " ".join((ROOT / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
+    source = (ROOT / "tools/gpu_study/device.py").read_text()
+
+    def arms_and_seeds(path: Path) -> tuple[int, int]:
+        runs = yaml.safe_load(path.read_text())["experiments"].values()
+        return len({r["method"] + str(r.get("tau_scale", "")) for r in runs}), len({r["seed"] for r in runs})
+
+    arms, seeds = arms_and_seeds(ROOT / "configs/gpu-study.yaml")
+    assert f"`configs/gpu-study.yaml` ({arms} arms x {seeds} paired seeds" in doc
+    names = list(yaml.safe_load((ROOT / "configs/gpu-study.yaml").read_text())["experiments"])
+    sets = device.train_sets(names, 3)
+    assert len(sets) == 3 and {len(s) for s in sets} == {len(names) // 3} and len(names) == arms * seeds
+    assert f"trains the {len(names)} runs as three sets of {({2: 'two'})[arms // 3]} whole arms each" in doc
+    assert (
+        "corpora of tests/fixtures/mirror, {} arms x {} seeds)".format(
+            *arms_and_seeds(ROOT / "tools/gpu_study/tiny-profile.yaml")
+        )
+        in doc
+    )
+    stage, study, resumed = prepare.lease_calls({"calls": {"stage1": 1, "carry": 1}})
+    limit = re.search(r"limit (\d+) s", stage)[1]
+    study_b = re.search(r"limit B \+ (\d+) s, B = min\((\d+), budget_left_s - (\d+)\)", study).groups()
+    resumed_b = re.search(r"limit B \+ (\d+) s, B = min\((\d+), budget_left_s - (\d+)\)", resumed).groups()
+    assert f"a {limit} s limit for each stage folder the carry needs" in doc
+    assert f"whose budget is {study_b[1]} s or what the lease has left" in doc
+    assert f"less {study_b[2]} s, whichever is less, and its limit {study_b[0]} s above it" in doc
+    assert f"whose budget is what is left less {resumed_b[2]} s or {resumed_b[1]} s, whichever is" in doc
+    assert f"less (its limit {resumed_b[0]} s above it, at most the tool's 600 s" in doc
+    assert f"the rest skipped, {device.RESERVE_S} s kept for packing)" in doc
+    smi, rate = re.search(r'"-l", "(\d+)"', source)[1], re.search(r'"-r", "(\d+)"', source)[1]
+    assert f"samples `nvidia-smi` every {smi} s" in doc
+    assert f"any file over {device.PIECE // 2**20} MiB is cut into" in doc
+    assert f"threads ({rate} samples/s, without pausing them)" in doc
+    profile = yaml.safe_load((ROOT / "configs/gpu-study.yaml").read_text())
+    evaluate, warmup = profile["evaluate"], profile["backbone"]["warmup"]
+    assert f"most {GENERATE_ROWS} sources a call; decoding batch {evaluate['batch_size']} x" in doc
+    assert f"x {evaluate['num_beams']} beams a run: `evaluate.batch_size` in the profile)" in doc
+    assert f"its {warmup['steps']:,} steps ran at" in doc and warmup["fused_adamw"] is True
+
+
+def test_the_gpu_lease_docs_warm_up_pace_is_the_committed_calls_backbone_record():
+    """docs/gpu-lease.md: the GPU study call's warm-up "1,200 steps ran at 11 steps/s with the per-tensor loop, 108
+    of the backbone step's 149 s": reports/bench/gpu-study-call's backbone record (results.tar.gz) and study.json
+    (it read 107 s, tqdm's 01:47, for the record's 108.0)."""
+    call = ROOT / "reports/bench/gpu-study-call"
+    with tarfile.open(call / "results.tar.gz") as tar:
+        warmup = json.loads(tar.extractfile("reports/backbone.json").read())["warmup"]
+    step = next(s for s in json.loads((call / "study.json").read_text())["steps"] if s["step"] == "backbone")
+    doc = " ".join((ROOT / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
+    assert (
+        f"its {warmup['steps']:,} steps ran at {warmup['steps'] / warmup['seconds']:.0f} steps/s with the per-tensor "
+        f"loop, {warmup['seconds']:.0f} of the backbone step's {step['seconds']:.0f} s)"
+    ) in doc

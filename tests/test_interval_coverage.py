@@ -86,3 +86,55 @@ def test_rho_scales_each_clients_seed_effect_the_client_average_sees_0_89_of_it(
     assert math.sqrt(by_seed.var(ddof=1) - noise) / (3 * ONE_SEED_SE) == pytest.approx(math.sqrt(0.8), abs=0.03)
     docs = " ".join((ROOT / "docs/statistics.md").read_text(encoding="utf-8").split())
     assert "the client average's seed effect has sd about 0.89 x rho x that SE" in docs
+
+
+def test_the_statistics_docs_model_and_prose_numbers_are_the_simulations_and_its_tables():
+    """docs/statistics.md's numbers around the coverage tables: the simulated design (the CPU study's test clients
+    and meetings), its effect sizes, the one-seed SE, the replicates' binomial SE, the undercoverage without
+    meetings, what the prose reads off the two tables (nested rho 0 and rho 3, the 2-seed column) and the t values
+    it quotes (1 and 2 degrees of freedom)."""
+    import math
+
+    pd = pytest.importorskip("pandas")
+    scipy_stats = pytest.importorskip("scipy.stats")
+
+    from benchmarks.interval_coverage import (
+        EXAMPLE_SD,
+        MEETINGS,
+        METHOD_EXAMPLE_SD,
+        ONE_SEED_SE,
+        SEED_EXAMPLE_SD,
+        SHARED,
+        SIZES,
+    )
+
+    raw = (ROOT / "docs/statistics.md").read_text(encoding="utf-8")
+    docs = " ".join(raw.split())
+    scores = pd.read_parquet(ROOT / "reports/cpu-study/eval/centralized-domain-s0/per_example.parquet")
+    by_client = scores.assign(meeting=scores["example_id"].str.rsplit("/", n=1).str[0]).groupby("client")
+    assert tuple(by_client.size()) == SIZES and tuple(by_client["meeting"].nunique()) == MEETINGS
+    assert f"clients of {SIZES[0]}, {SIZES[1]} and {SIZES[2]} queries on {MEETINGS[0]}, {MEETINGS[1]} and" in docs
+    assert (
+        f"and {MEETINGS[2]} meetings), example effect sd {EXAMPLE_SD:g}, method x example {METHOD_EXAMPLE_SD:g},"
+        in docs
+    )
+    assert f"seed x example {SEED_EXAMPLE_SD:g}, seed effects {100 * SHARED:.0f} % shared by the clients" in docs
+    assert f"client-average difference ({ONE_SEED_SE:.2f})" in docs
+    assert f"(sqrt({SHARED:g} + {1 - SHARED:g} / {len(SIZES)}))" in docs
+    assert f"1,000 replicates a cell (binomial SE about {math.sqrt(0.95 * 0.05 / 1000):.3f})" in docs
+    regime = BY_NAME["clustered by meeting (sd 0.7), rho 0"]
+    naive = [coverage(regime, seeds, 300, clustered=False)[0] for seeds in (3, 5)]
+    assert f"rho 0: {naive[0]:.2f} at 3 seeds and {naive[1]:.2f} at 5 over 300 replicates" in docs
+
+    crossed, nested = documented_cells(raw), documented_cells(raw, nested=True)
+    cover = lambda cells, name, seeds: float(cells[(name, seeds)].split()[0])  # noqa: E731
+    rho0 = [cover(nested, n, s) for n in BY_NAME if n.endswith("rho 0") for s in (2, 3, 5)]
+    assert f"conservative ({min(rho0):.2f}- {max(rho0):.2f})" in docs
+    rho3 = [n for n in BY_NAME if n.endswith("rho 3")]
+    three = [cover(nested, n, 3) for n in rho3]
+    assert f"(rho 3) 3 seeds cover about {min(three):.2f}-{max(three):.2f} and 2 seeds" in docs
+    assert {f"{cover(nested, n, 2):.2f}" for n in rho3} == {"0.90"} and "and 2 seeds 0.90, as in" in docs
+    gaussian, bounded = (f"{cover(crossed, n, 2):.2f}" for n in rho3)
+    assert f"covers about {gaussian} (Gaussian) and {bounded} (bounded), the table's 2-seed column" in docs
+    assert f"the t value falls from {scipy_stats.t.ppf(0.975, 1):.1f} to about 2" in docs
+    assert f"2 degrees of freedom (a t of about {scipy_stats.t.ppf(0.975, 2):.1f})" in docs

@@ -35,3 +35,17 @@ def test_survivor_names_and_exit_2_without_results(tmp_path, capsys):
     _meta(tmp_path, "results.stats", {1: 1, 2: 0})
     assert report.main(["--mutants-dir", str(tmp_path), "--survivors"]) == 0
     assert capsys.readouterr().out.split() == ["pipeline.results.stats.x_f__mutmut_2"]
+
+
+def test_the_committed_historic_mutation_table_adds_up():
+    """reports/mutation.md's historic table was typed from mutmut's counts: each row's killed + survived is the
+    mutants made, and its score is killed / (made - judged equivalent) (the file's own definition; no timeouts)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "reports/mutation.md").read_text(encoding="utf-8")
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| pipeline/")]
+    assert len(rows) >= 10
+    for module, made, killed, survived, equivalent, score in ([c.strip() for c in r] for r in rows):
+        made, killed, survived, equivalent = int(made), int(killed), int(survived), int(equivalent)
+        assert killed + survived == made, module
+        assert score == f"{100 * killed / (made - equivalent):.1f} %", module

@@ -203,6 +203,10 @@ def test_a_committed_study_recomputes_exactly_from_its_per_example_scores(study,
     committed = pd.read_csv(src / "comparisons.csv")
     rebuilt = pd.read_csv(copy / "comparisons.csv")
     pd.testing.assert_frame_equal(rebuilt, committed)
+    # and every file the rebuild writes (the tables' markdown with their numbers and notes, the CSVs), byte for byte
+    written = [p.relative_to(copy) for p in copy.rglob("*") if p.is_file()]
+    differ = [str(p) for p in written if not (src / p).is_file() or (src / p).read_bytes() != (copy / p).read_bytes()]
+    assert not differ, differ
 
 
 def test_privacy_points_take_a_client_level_runs_budget_from_the_run(tmp_path):

@@ -768,3 +768,25 @@ def test_the_privacy_docs_secagg_numbers_are_the_benchmarks_json():
         f"({up['default']:.1f} MiB per client for the default adapters, {up['bart-base']:.0f} MiB for bart-base)"
         in text
     )
+
+
+def test_the_privacy_docs_secagg_threshold_and_client_dp_margin_are_the_params_and_the_benchmarks_json():
+    """docs/privacy.md: "0.67 of 3 shares survives one lost client" (params.yaml's reconstruction_threshold, the
+    benchmark's 3-client rounds: threshold 2 of 3 shares, one dropped and still aggregated), the defaults "c = 8,
+    Q = 2^22", and client-level DP's C' - C = sqrt(d) (2c/Q + 10uc), "about 0.009 for the default adapters, 0.023
+    for bart-base's" (d: the benchmark's adapter parameters)."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "docs/privacy.md").read_text(encoding="utf-8").split())
+    secagg = yaml.safe_load((root / "params.yaml").read_text())["privacy"]["secagg"]
+    rows = json.loads((root / "reports/bench/secure_aggregation.json").read_text())["rows"]
+    three = [r for r in rows if r["clients"] == 3]
+    assert {(r["threshold"], r["num_shares"]) for r in three} == {(3 - 1, 3)}
+    assert all(r["in_sum"] == 2 for r in three if r["dropped"]) and secagg["num_shares"] == 1.0
+    assert f"{secagg['reconstruction_threshold']:g} of 3 shares survives one lost client" in text
+    c, q, u = secagg["clipping_range"], secagg["quantization_range"], 2.0**-24
+    assert f"(c = {c:g}, Q = 2^{math.log2(q):.0f};" in text
+    d = {r["shape"].split(" ")[0]: r["adapter_params"] for r in rows}
+    margin = {k: math.sqrt(v) * (2 * c / q + 10 * u * c) for k, v in d.items()}
+    assert f"(C' - C is about {margin['default']:.3f} for the default adapters, {margin['bart-base']:.3f} for" in text

@@ -201,3 +201,94 @@ def test_the_statistics_docs_query_and_meeting_counts_are_the_cpu_studys_test_se
     meeting = scores["example_id"].str.rsplit("/", n=1).str[0]  # pipeline.results.stats.meetings
     per_client = ", ".join(f"{c} {n}" for c, n in meeting.groupby(scores["client"]).nunique().items())
     assert f"QMSum's {len(scores)} test queries come from {meeting.nunique()} meetings ({per_client})" in text
+
+
+def test_the_statistics_docs_expected_test_overlap_over_seeds_is_the_partitions():
+    """docs/statistics.md: with 3 seeds a client keeps in common "244 / 27 = 9 of ~81 for an iid client, 129 (40 /
+    129)³ = 4 of 40 for non-iid Product": the iid partition deals the 244 test queries to 3 clients, noniid_balanced
+    draws 40 of Product's 129 (the committed partition reports and params.yaml)."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())["partition"]
+    text = " ".join((ROOT / "docs/statistics.md").read_text(encoding="utf-8").split())
+    iid = json.loads((ROOT / "reports/partitions/iid-seed0.json").read_text())["clients"]
+    tests = [c["sizes"]["test"] for c in iid.values()]
+    k = params["iid"]["n_clients"]
+    product = json.loads((ROOT / "reports/partitions/domain-seed0.json").read_text())["clients"]["Product"]["sizes"]
+    drawn = params["noniid_balanced"]["sizes"]["test"]
+    n, pool = sum(tests), product["test"]
+    assert len(tests) == k == 3 and round(sum(tests) / k) == 81
+    assert f"expected {n} / {k**3} = {n / k**3:.0f} of ~{round(n / k)} for an iid client" in text
+    assert f"{pool} ({drawn} / {pool})³ = {pool * (drawn / pool) ** 3:.0f} of {drawn} for non-iid Product" in text
+
+
+def test_the_statistics_docs_settings_are_params_and_the_committed_studies():
+    """docs/statistics.md's settings: the claim rules and the identical-summary warning (params.yaml), the main
+    study's client-average family (reports/tables/comparisons.csv), and the stop rule (configs/gpu-study.yaml) with
+    the CPU study's curves it was chosen on (its train records: runs and fixed rounds)."""
+    pd = pytest.importorskip("pandas")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    stop = yaml.safe_load((ROOT / "configs/gpu-study.yaml").read_text())["train"]["stop"]
+    text = " ".join((ROOT / "docs/statistics.md").read_text(encoding="utf-8").split())
+    table = pd.read_csv(ROOT / "reports/tables/comparisons.csv")
+    family = table[(table.study == "main") & (table.client == "client average") & (table.metric == "avg_rouge")]
+    assert f"(the main study {len(family)} on the client average)" in text
+    seeds = params["report"]["claim_min_seeds"]
+    assert f"`report.claim_min_seeds` ({seeds};" in text and f"`report.claim_min_seeds: {seeds}`" in text
+    assert f"fewer than {seeds} seeds states its numbers" in text
+    assert f"`bootstrap.identical_warning` ({100 * params['bootstrap']['identical_warning']:.0f} %)" in text
+    level, alpha = (
+        100 * params["bootstrap"]["level"],
+        1 - params["bootstrap"]["level"],
+    )  # the claims' test: p_holm < 1 - level
+    assert (
+        f"{level:.0f} % percentile interval" in text
+        and f"The intervals printed are the unadjusted {level:.0f} %" in text
+    )
+    assert (
+        f"is `p_holm` < {alpha:.2g}, so the chance of any false claim in a family is at most {100 * alpha:.0f} %"
+        in text
+    )
+    assert f"A claim is a Holm-adjusted p < {alpha:.2g}" in text
+    runs = [json.loads(p.read_text()) for p in sorted((STUDY / "train").glob("*/metrics.json"))]
+    rounds = yaml.safe_load((STUDY / "params.yaml").read_text())["train"]["rounds"]
+    assert f"in each of the last {stop['patience']} rounds" in text and stop["enabled"]
+    assert f"by less than {100 * stop['min_rel_improvement']:g} %, or at {stop['max_rounds']} rounds" in text
+    assert f"CPU study's {len(runs)} committed curves ({rounds} fixed rounds each" in text
+
+
+def test_the_cpu_study_readmes_design_and_missing_run_are_its_files():
+    """reports/cpu-study/README.md: the title's "five methods x 3 seeds ... plus two portable KD gates", "warmed up
+    1,200 steps", the lent **NVIDIA H100 80GB** (backbones.json), the 4 recipe variants, and "FedAvg is therefore
+    n = 2 (seeds 0 and 2)" (the evaluations present)."""
+    params = yaml.safe_load((STUDY / "params.yaml").read_text())
+    runs = params["experiments"].values()
+    arms = {(r["method"], r.get("tau_scale")) for r in runs}
+    gates = {a for a in arms if a[1] is not None}
+    seeds = sorted({r["seed"] for r in runs})
+    assert len(arms - gates) == 5 and len(gates) == 2 and len(runs) == len(arms) * len(seeds)
+    assert f"five methods x {len(seeds)} seeds on the full QMSum domain partition, plus two portable KD gates" in TEXT
+    assert f"warmed up {load('backbone.json')['warmup']['steps']:,} steps with cross-attention" in TEXT
+    variants = load("backbones.json")
+    assert f"on a lent **{variants['device'].removesuffix(' HBM3')}** (`backbones.json`)" in TEXT
+    assert f"({len(variants['variants'])} variants) --parallel {len(variants['variants'])}`" in TEXT
+    fedavg = sorted(int(p.name[-1]) for p in (STUDY / "eval").glob("fedavg-domain-s*"))
+    assert fedavg == [0, 2] and "FedAvg is therefore n = 2 (seeds 0 and 2)" in TEXT
+    assert (STUDY / "train/fedavg-domain-s1/metrics.json").exists()  # "It trained (its `train/` files are here)"
+
+
+def test_the_privacy_studys_round_budget_count_is_its_train_records_and_its_table_is_the_rebuilt_one():
+    """reports/privacy/README.md said "every client-run had its best validation round in its last", and the study's
+    top-level study_privacy.md (the export of the experiment's table) counted "72 of 72"; the train records hold one
+    client-run (fedselectkd-eps1-s0, Product: best round 2 of 3) that was not, as the rebuilt
+    tables/study_privacy.md counts (71 of 72). The README's count is the records', and the table the docs name is
+    the one `pipeline.report rebuild` writes."""
+    study = ROOT / "reports/privacy/study"
+    text = " ".join((ROOT / "reports/privacy/README.md").read_text(encoding="utf-8").split())
+    last = []
+    for path in sorted((study / "train").glob("*/metrics.json")):
+        record = json.loads(path.read_text())
+        final = record.get("stopped_round") or record["rounds"]
+        last += [c["best_round"] == final for c in record["clients"].values()]
+    assert f"{sum(last)} of the {len(last)} client-runs had their best validation round in their last" in text
+    table = (study / "tables/study_privacy.md").read_text(encoding="utf-8")
+    assert f"↗ {sum(last)} of {len(last)} client-runs had their best validation round in their last round" in table
+    assert (study / "study_privacy.md").read_text(encoding="utf-8") == table

@@ -725,3 +725,19 @@ def test_a_resumed_run_whose_tree_became_clean_drops_its_changed_files(store):
     logger.finish()
     tags = _client().get_run(logger.run_id).data.tags
     assert tags["git.dirty"] == "false" and "git.changed" not in tags
+
+
+def test_the_mlflow_docs_system_metrics_interval_is_mlflows_default_we_keep():
+    """docs/mlflow.md: system metrics "sampled every 10 s (`MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` changes it)":
+    RunLogger starts MLflow's monitor without an interval of its own, so MLflow's default applies."""
+    import inspect
+    from pathlib import Path
+
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    from pipeline.results import tracking
+
+    default = inspect.signature(SystemMetricsMonitor).parameters["sampling_interval"].default
+    assert "sampling_interval" not in inspect.getsource(tracking)
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/mlflow.md").read_text(encoding="utf-8").split())
+    assert f"sampled every {default:g} s (`MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` changes it)" in text
