@@ -387,6 +387,7 @@ def test_mode_client_enters_plans_with_its_own_keys_and_refuses_what_it_cannot_p
         ("centralized", {}, "pools every client's data"),
         ("fedopt", {}, "applies an optimiser"),
         ("fednova", {}, "rescales each update"),
+        ("fedtrimmedavg", {}, "trimmed mean"),  # not an optimiser: its own reason, not fedopt's
         ("post_addition", {}, "population grows"),
         ("fedavg", {"transfer_dtype": "int8"}, "clipping_side client needs train.transfer_dtype fp32"),
     ]

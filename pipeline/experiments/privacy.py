@@ -144,17 +144,17 @@ def client_level_problem(method, transfer_dtype: str, cfg: PrivacyConfig) -> str
             f"method {method.name} {what}: no client update reaches a server aggregate, so there is no "
             f"client-level guarantee to give (mode example protects its examples in federated methods)"
         )
-    if method.strategy == "fednova":
-        return (
-            "method fednova: its server rescales each update by the client's own step count, so one client's "
-            "influence on the aggregate is not bounded by C / sampled clients; use fedavg or fedprox"
-        )
     if method.strategy not in AVERAGING_STRATEGIES:
-        return (
-            f"method {method.name}: its server applies an optimiser to the mean and keeps its un-noised state "
-            f"(momentum, moments) across rounds: neither the sensitivity C / sampled clients nor the "
-            f"composition holds; use fedavg or fedprox"
+        unbounded = "so one client's influence on the aggregate is not bounded by C / sampled clients"
+        why = {
+            "fednova": f"rescales each update by the client's own step count, {unbounded}",
+            "fedtrimmedavg": f"takes a coordinate-wise trimmed mean over fewer clients than it sampled, {unbounded}",
+        }.get(
+            method.strategy,
+            "applies an optimiser to the mean and keeps its un-noised state (momentum, moments) across rounds: "
+            "neither the sensitivity C / sampled clients nor the composition holds",
         )
+        return f"method {method.name}: its server {why}; use fedavg or fedprox"
     if method.new_client == "post":
         return (
             f"method {method.name}: the population grows when the new client joins mid-run, so the sampling "
