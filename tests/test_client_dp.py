@@ -520,7 +520,7 @@ def test_federated_run_with_target_epsilon_reports_it(ws):
         2,
         4,
     )
-    assert p["clipping_norm"] == 0.05 and p["noise_multiplier"] > 0 and 0.0 <= p["clipped_fraction"] <= 1.0
+    assert p["clipping_norm"] == 0.05 and p["noise_multiplier"] > 0
     assert p["epsilon"] == pytest.approx(
         federation_privacy(
             _client_cfg(noise_multiplier=p["noise_multiplier"], clipping_norm=0.05), 3, 2, 2
@@ -530,6 +530,9 @@ def test_federated_run_with_target_epsilon_reports_it(ws):
     per_round = {r["round"]: r["epsilon"] for r in history if "update_clipped" in r}
     # server side: every aggregated update's norm before clipping, clipped exactly when above C
     assert all(r["update_clipped"] == int(r["update_norm"] > 0.05) for r in history if "update_clipped" in r)
+    # the run's clipped fraction: of its 4 aggregated updates, those whose norm was above C
+    norms = [r["update_norm"] for r in history if "update_clipped" in r]
+    assert len(norms) == 4 and p["clipped_fraction"] == sum(n > 0.05 for n in norms) / 4
     assert per_round[1] < per_round[2] == p["epsilon"]
     assert sum(c.get("privacy", {}).get("updates_aggregated", 0) for c in metrics["clients"].values()) == 4
     wide = json.loads(Path(f"reports/train/{name}/rounds.json").read_text())

@@ -73,15 +73,18 @@ def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs(
     # by the cheap stages, in the DVC cache by the run-cached ones (next test).
     timed = {stage for stage, path, _ in _stage_sections("outs") if path.startswith("reports/timing/")}
     assert timed == set(DVC_YAML["stages"]) - {"plan"}  # every stage but plan (it writes no time record)
-    for stage, path, opts in _stage_sections("outs"):
-        if path.startswith("reports/timing/") or path in (
-            "reports/summary.json",
-            "reports/analysis/kd_analysis.json",
-            "reports/backbone.json",
-            "reports/train/${key}/metrics.json",
-            "reports/partitions/${item.scheme}-seed${item.seed}.json",
-            "reports/data/stats.json",
-        ):
+    former = {  # each former metric, an output of the stage that writes it
+        "reports/summary.json": "report",
+        "reports/analysis/kd_analysis.json": "analyze",
+        "reports/backbone.json": "backbone",
+        "reports/train/${key}/metrics.json": "train",
+        "reports/partitions/${item.scheme}-seed${item.seed}.json": "partition",
+        "reports/data/stats.json": "examples",
+    }
+    outs = _stage_sections("outs")
+    assert {path: stage for stage, path, _ in outs if path in former} == former
+    for stage, path, opts in outs:
+        if path.startswith("reports/timing/") or path in former:
             assert (opts.get("cache") is False) == (stage not in RUN_CACHED), path
 
 

@@ -141,6 +141,9 @@ def test_subsample_is_seeded_per_client_and_keeps_order():
     ids = [f"e{i}" for i in range(10)]
     a = subsample_test_ids(ids, "Academic", 4, 0)
     assert a == subsample_test_ids(ids, "Academic", 4, 0)
+    # the draw fixes which examples a recorded score was computed on: random.Random("evaluate:<seed>:<client>")
+    # sampling 4 of the sorted ids, listed in partition order, for seed 0 and Academic / Product
+    assert a == ["e3", "e7", "e8", "e9"] and subsample_test_ids(ids, "Product", 4, 0) == ["e2", "e3", "e7", "e9"]
     assert len(a) == 4 and a == [i for i in ids if i in a]
     assert subsample_test_ids(ids, "Academic", None, 0) == ids
     assert subsample_test_ids(ids, "Academic", 50, 0) == ids

@@ -534,7 +534,9 @@ def test_the_gpu_lease_docs_estimate_is_the_estimators_output():
 
     out = estimate([12, 40], REPO / "reports/partitions/domain-seed0.json").splitlines()
     doc = " ".join((REPO / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
-    for row in [line for line in out if re.match(r"\| \d+ \|", line)]:
+    rows = [line for line in out if line.startswith("|") and not line.startswith(("| rounds", "|---"))]
+    assert [row.split(" | ")[0] for row in rows] == ["| 12", "| 40"]  # one row per round count asked for
+    for row in rows:
         assert row in doc, row
     backbone = re.search(r"measured: (\d+) s", out[1])[1]
     evaluation = re.search(r"summed: (\d+) s", out[2])[1]

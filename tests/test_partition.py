@@ -140,10 +140,15 @@ def test_quantity_one_dirichlet_draw_shared_by_splits():
         assert all(len(cl[s]) >= 1 for s in SPLITS)
         # same z for every split: relative sizes agree up to rounding
         assert abs(len(cl["train"]) / n["train"] - len(cl["test"]) / n["test"]) <= 1 / n["train"] + 1 / n["test"]
-    # the draw is the first Dir(beta) sample of the seeded generator that passes the minimum
-    z = np.random.default_rng(5).dirichlet(np.full(4, 0.8))
-    if all(largest_remainder(z, n[s]).min() >= 1 for s in SPLITS):
-        assert [len(cl["train"]) for cl in part.clients.values()] == largest_remainder(z, n["train"]).tolist()
+    # the draw is the first Dir(beta) sample of the seeded generator that passes the minimum: seed 5's first two
+    # draws leave a client empty (z_3 = 0.011: 0 of 57; z_1 = 0.008), its third, z = (0.351, 0.235, 0.354, 0.061),
+    # gives 57 z = 19.99, 13.37, 20.16, 3.47 -> floors 19, 13, 20, 3 and the two largest remainders +1
+    rng = np.random.default_rng(5)
+    draws = [rng.dirichlet(np.full(4, 0.8)) for _ in range(3)]
+    assert [round(float(d.min()), 3) for d in draws] == [0.011, 0.008, 0.061]
+    assert n == {"train": 57, "valid": 21, "test": 24}
+    sizes = {s: [len(cl[s]) for cl in part.clients.values()] for s in SPLITS}
+    assert sizes == {"train": [20, 13, 20, 4], "valid": [7, 5, 8, 1], "test": [8, 6, 9, 1]}
     with pytest.raises(DataError, match="no Dir"):
         make_partition(EXAMPLES, "quantity", 0, cfg(quantity={"n_clients": 4, "beta": 0.5, "min_per_split": 7}))
 

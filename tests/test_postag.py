@@ -100,10 +100,11 @@ def test_hard_kd_mask_marks_exactly_nouns_and_verbs(nlp, bert_tok):
 
 def test_a_quoted_or_bracketed_word_is_tagged_by_its_content_not_its_punctuation(nlp, bert_tok):
     """'"timing"' and '(battery)' are nouns (METHOD.md 7.9-7.10: hard KD on every target noun and verb), not PUNCT."""
-    tagged = _tag(nlp, bert_tok, ["q"], ['They discussed the "timing" and the (battery) cost.'], 64)
+    target = 'They discussed the "timing" and the (battery) cost.'
+    tagged = _tag(nlp, bert_tok, ["q"], [target], 64)
     words = tagged.dropna(subset=["word_index"]).drop_duplicates("word_index")
     expected = ["PRON", "VERB", "DET", "NOUN", "CCONJ", "DET", "NOUN", "NOUN"]  # by hand
-    assert list(zip(words["word"], words["pos"])) == list(zip(words["word"], expected))
+    assert list(zip(words["word"], words["pos"])) == list(zip(target.split(), expected, strict=True))
     assert tagged.loc[tagged["word"] == "(battery)", "is_noun_or_verb"].all()
 
 

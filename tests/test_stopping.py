@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
@@ -112,6 +113,10 @@ def test_the_gpu_study_rule_ends_every_committed_cpu_curve_before_its_ceiling():
     from benchmarks.stop_rule import REPLACED, curves, gpu_study_stop, projected_stop
 
     runs = curves()
+    # every run the CPU study declares (7 methods x 3 seeds), each with its rounds: none found would check nothing
+    study = yaml.safe_load((Path(__file__).resolve().parents[1] / "reports/cpu-study/params.yaml").read_text())
+    assert sorted(runs) == sorted(study["experiments"]) and len(runs) == 21
+    assert all(len(rounds) == len(loss) >= 2 for rounds, loss in runs.values())
     new = [projected_stop(r, loss, gpu_study_stop()) for r, loss in runs.values()]
     old = [projected_stop(r, loss, REPLACED) for r, loss in runs.values()]
     assert all(f["stop_round"] is not None and f["gain_per_round"] < 0.005 for f in new)

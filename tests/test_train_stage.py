@@ -11,6 +11,8 @@ import pandas as pd
 import pytest
 import yaml
 
+from pipeline.common.config import ConfigError
+from tests.errors import names
 from tests.test_federated import MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,8 +81,9 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
     # the gate's scale is read by selective KD only; a portable scale needs every selective tau in (0, 1]
     assert "tau_scale" in json.loads(base["fedselectkd"])["train"]
     assert "tau_scale" not in json.loads(base["fedkd"])["train"]
-    with pytest.raises(Exception, match="tau_scale"):
+    with pytest.raises(ConfigError) as err:
         _plans(tmp_path, _params(train={**TRAIN, "tau_scale": "max_entropy"}), "f")  # tau 5 is not a fraction
+    names(err.value, "experiments.fedselectkd", "tau=5.0", "tau_scale 'max_entropy'")  # the entry, its value
     # the transfer encoding matters to every federated method, never to single/centralized
     federated = set(base) - {"single", "centralized"}
     int8 = _plans(tmp_path, _params(train={**TRAIN, "transfer_dtype": "int8"}), "e")
