@@ -72,7 +72,7 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         upto = [r for r in history if r["client"] == name and r["round"] <= c["best_round"] and r.get("n_tokens")]
         tokens = sum(r["n_tokens"] for r in upto)
         kd_tokens = sum(r["n_tokens"] * r.get("kd_fraction", 0.0) for r in upto)
-        c["kd_fraction_to_best"] = kd_tokens / tokens if tokens else 0.0
+        c["kd_fraction_to_best"] = kd_tokens / tokens if tokens else None  # no token trained by then: undefined
     vals = [c["best_val_loss"] for c in clients.values() if c["best_val_loss"] is not None]
     record = privacy.run_record(plan, history, clients)  # clients.<c>.privacy, the run's privacy and SecAgg+
     return {
