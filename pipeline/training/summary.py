@@ -60,6 +60,8 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
             c["final_val_loss"] = val
             if val < (math.inf if c["best_val_loss"] is None else c["best_val_loss"]):  # NaN: never best (its adapter)
                 c["best_val_loss"], c["best_round"] = val, row["round"]
+        if row.get("best_round", c["best_round"]) != c["best_round"]:  # the client kept another round's adapter:
+            c["best_round"], c["best_val_loss"] = row["best_round"], None  # that round's reply was lost or late
         c["rounds_trained"] += int(row.get("sampled", 0) and not row.get("failed", 0))
         c["rounds_failed"] += int(row.get("failed", 0))
         c["bytes_sent"] += int(row.get("bytes_down", 0))  # server -> client
