@@ -365,3 +365,49 @@ def test_the_projection_fits_a_run_with_a_round_without_a_client_average():
     got = projected_stop([r for r, _ in series], [m for _, m in series], _stop(max_rounds=200), fit_rounds=6)
     assert (got["a"], got["b"], got["c"]) == pytest.approx((3.0, 1.5, 0.5), abs=1e-4)
     assert got["holdout_error"] < 1e-4
+
+
+def test_the_kd_fraction_to_the_best_round_is_undefined_where_no_token_was_trained_by_then(ws):
+    """KD tokens / trained tokens over rounds 1..best: 0 / 0 is no fraction (null, as the KD usage ratio of a client
+    without a word update: pipeline.results.kd_analysis), not 0 %. By hand: A never validates (best round 0) though
+    it trained 100 tokens a round; B (client sampling) is first trained in round 2, its best round is round 1 (the
+    round-0 adapter's 4.0); C trained 100 tokens at 20 % KD, then 50 at 80 %, best at round 2: 60 / 150 = 0.4."""
+    from pipeline.experiments.plans import read_plan
+    from pipeline.training.summary import summarize
+
+    nan = float("nan")
+    history = [
+        {"round": 1, "client": "A", "sampled": 1, "n_tokens": 100, "kd_fraction": 0.3, "val_loss": nan},
+        {"round": 1, "client": "B", "sampled": 0, "val_loss": 4.0},
+        {"round": 1, "client": "C", "sampled": 1, "n_tokens": 100, "kd_fraction": 0.2, "val_loss": 3.0},
+        {"round": 2, "client": "A", "sampled": 1, "n_tokens": 100, "kd_fraction": 0.5, "val_loss": nan},
+        {"round": 2, "client": "B", "sampled": 1, "n_tokens": 80, "kd_fraction": 0.25, "val_loss": 4.5},
+        {"round": 2, "client": "C", "sampled": 1, "n_tokens": 50, "kd_fraction": 0.8, "val_loss": 2.0},
+    ]
+    clients = summarize(read_plan(write_plan("kd-to-best", "fedselectkd", rounds=2)), history, [])["clients"]
+    assert {c: clients[c]["best_round"] for c in "ABC"} == {"A": 0, "B": 1, "C": 2}
+    assert clients["A"]["kd_fraction_to_best"] is None and clients["B"]["kd_fraction_to_best"] is None
+    assert clients["C"]["kd_fraction_to_best"] == pytest.approx(0.4)
+
+
+def test_a_clients_recorded_best_round_is_the_round_whose_adapter_it_kept_when_that_rounds_reply_was_lost(ws):
+    """A client picks its best adapter by its own validation losses (checkpoints.keep_best_and_final) and reports
+    that round with each later reply (server_app._evaluate: best_round); an evaluation reply lost or late (eval_failed,
+    no val_loss in the server's row) leaves the server without that round's loss, not the client without its adapter.
+    By hand: A's losses 4.0, 3.0 (reply lost), 3.5, 3.6: it kept round 2's adapter (its replies say 2), so the run's
+    record says round 2, its loss unknown to the server, and the KD fraction to it covers rounds 1-2 (50 % of 200
+    tokens), not round 3 at 3.5 over rounds 1-3. B, every reply received: its lowest loss, round 3."""
+    from pipeline.experiments.plans import read_plan
+    from pipeline.training.summary import summarize
+
+    a = [(4.0, 1, 0.25), (None, None, 0.75), (3.5, 2, 0.5), (3.6, 2, 0.5)]  # (val_loss, best_round reported, kd)
+    history = []
+    for r, (val, best, kd) in enumerate(a, start=1):
+        row = {"round": r, "client": "A", "sampled": 1, "n_tokens": 100, "kd_fraction": kd}
+        history.append(row | ({"val_loss": val, "best_round": best} if val is not None else {"eval_failed": 1}))
+        b_best = min(r, 3)
+        history.append({"round": r, "client": "B", "val_loss": [5.0, 4.0, 3.0, 3.2][r - 1], "best_round": b_best})
+    clients = summarize(read_plan(write_plan("lost-eval-best", "fedselectkd", rounds=4)), history, [])["clients"]
+    assert (clients["A"]["best_round"], clients["A"]["best_val_loss"]) == (2, None)
+    assert clients["A"]["kd_fraction_to_best"] == pytest.approx(0.5)
+    assert (clients["B"]["best_round"], clients["B"]["best_val_loss"]) == (3, 3.0)

@@ -60,6 +60,8 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
             c["final_val_loss"] = val
             if val < (math.inf if c["best_val_loss"] is None else c["best_val_loss"]):  # NaN: never best (its adapter)
                 c["best_val_loss"], c["best_round"] = val, row["round"]
+        if row.get("best_round", c["best_round"]) != c["best_round"]:  # the client kept another round's adapter:
+            c["best_round"], c["best_val_loss"] = row["best_round"], None  # that round's reply was lost or late
         c["rounds_trained"] += int(row.get("sampled", 0) and not row.get("failed", 0))
         c["rounds_failed"] += int(row.get("failed", 0))
         c["bytes_sent"] += int(row.get("bytes_down", 0))  # server -> client
@@ -72,7 +74,7 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         upto = [r for r in history if r["client"] == name and r["round"] <= c["best_round"] and r.get("n_tokens")]
         tokens = sum(r["n_tokens"] for r in upto)
         kd_tokens = sum(r["n_tokens"] * r.get("kd_fraction", 0.0) for r in upto)
-        c["kd_fraction_to_best"] = kd_tokens / tokens if tokens else 0.0
+        c["kd_fraction_to_best"] = kd_tokens / tokens if tokens else None  # no token trained by then: undefined
     vals = [c["best_val_loss"] for c in clients.values() if c["best_val_loss"] is not None]
     record = privacy.run_record(plan, history, clients)  # clients.<c>.privacy, the run's privacy and SecAgg+
     return {
