@@ -19,9 +19,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.timing import stage_name, stage_timer
-from pipeline.experiments.plans import Plan, plan_hash, read_plan
+from pipeline.experiments.plans import Plan, plan_hash, read_plan, record_hash
 from pipeline.experiments.settings import RunSettings, load_run_settings
 from pipeline.federation.engines import run_federated
 from pipeline.paths import PATHS
@@ -59,7 +60,13 @@ def run_experiment(
         if track and (run_id_file := checkpoints.mlflow_run_id_path(plan)).exists():  # killed before a checkpoint
             with contextlib.suppress(Exception):  # its run, unless it logged a round (or is gone: another store)
                 delete_run(run_id_file.read_text().strip(), unless_logged=ROUND_METRIC)
+        # this plan's client-level DP releases (round 1's leave before its checkpoint) are redone afresh, counted again
+        releases, record = checkpoints.checkpoint_dir(plan) / checkpoints.DP_RELEASES, out_dir / "experiment.json"
+        ours = releases.exists() and record.exists() and record_hash(json.loads(record.read_text())) == plan_hash(plan)
+        kept = releases.read_text() if ours else None
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
+        if kept is not None:
+            atomic.write_text(releases, kept)
     prepare_outputs(plan)
 
     logger = None

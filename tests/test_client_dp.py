@@ -625,12 +625,14 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     )
 
 
-def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws, monkeypatch):
+@pytest.mark.parametrize("killed", [1, 2])
+def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws, monkeypatch, killed):
     """fedavg's evaluate step sends round r's noisy global to every client before the server checkpoint of round r:
     a server killed in between redoes round r on resuming, and a client that failed in the first attempt and not in
     the second made the two releases differ by its clipped update / m alone if they drew the same noise. Each
     release needs its own noise (their difference: N(0, 2 (z C / m)^2) per coordinate) and the accountant composes
-    both (3 releases in 2 rounds: opacus' RDP at q = 1 over 3 steps, computed here directly)."""
+    both (3 releases in 2 rounds: opacus' RDP at q = 1 over 3 steps, computed here directly). Round 1 too: the
+    train stage restarts a run killed before its first checkpoint in a clean run directory."""
     from pipeline.federation import client_app, server_app
     from pipeline.train import run_experiment
     from tests.faults import Killed
@@ -646,17 +648,17 @@ def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws
         if (
             attempt[0] == 1
             and context.node_config["client-name"] == "Committee"
-            and msg.content["config"]["server-round"] == 2
+            and msg.content["config"]["server-round"] == killed
         ):
-            raise RuntimeError("fails in the first attempt of round 2 only")
+            raise RuntimeError("fails in the first attempt of the killed round only")
         return real_train(msg, context)
 
     def evaluate(r, messages, downlink):
         real_evaluate(r, messages, downlink)  # the clients received round r's global
-        if r.rnd == 2:
+        if r.rnd == killed:
             released.append(np.concatenate([a.ravel() for a in downlink.to_numpy_ndarrays()]).astype(np.float64))
             if attempt[0] == 1:
-                raise Killed("killed before round 2's checkpoint")
+                raise Killed("killed before the round's checkpoint")
 
     monkeypatch.setattr(client_app, "train_round", train)
     monkeypatch.setattr(server_app, "_evaluate", evaluate)
