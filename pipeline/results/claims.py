@@ -285,9 +285,12 @@ def _per_client(per_client: pd.DataFrame) -> list[str]:
     fed_clients = per_client[per_client["method_a"].isin(mains) & per_client["method_b"].isin(mains)]
     if fed_clients.empty:
         return []
-    sig = fed_clients[fed_clients["significant"]]
+    sig, tested = fed_clients[fed_clients["significant"]], fed_clients[~fed_clients["few_seeds"]]
+    if tested.empty:  # every one below `report.claim_min_seeds`: no claim, of an ordering or of none
+        seeds = _span(sorted(set(fed_clients["n_seeds"].astype(int))))
+        return [f"- Per-client comparisons among AdaSingle, FedAvg, FedKD and SelectKD, {seeds} seeds: numbers only."]
     if sig.empty:
-        c = _records(fed_clients.loc[[fed_clients["p_value"].idxmin()]])[0]
+        c = _records(tested.loc[[tested["p_value"].idxmin()]])[0]
         return [
             f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD holds (closest: "
             f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, "
