@@ -146,7 +146,7 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     if usage := [v["kd_usage_ratio"] for v in clients if v.get("kd_usage_ratio") is not None]:
         ours, paper = [round(100 * u) for u in usage], [round(100 * u) for u in published.KD_USAGE_RATIO.values()]
         text += (
-            f" Its selective KD distils on {min(ours)}-{max(ours)} % of target tokens at tau = {kd.get('tau')}, "
+            f" Its selective KD distils on {min(ours)}-{max(ours)} % of target words at tau = {kd.get('tau')}, "
             f"the paper's on {min(paper)}-{max(paper)} %."
         )
     return text
