@@ -405,3 +405,29 @@ def test_a_margin_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch):
     res = _analyze_one_selectkd_run(tmp_path, {"Product": 2, "Academic": 1}, tau=0.3, train={"kd_gate": "margin"})
     for client in ("Product", "Academic"):
         assert res["clients"][client]["gate_inconsistent_tokens"] is None  # not checkable here; never a false count
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        # FedAvg as the sweep's no-KD point: it reads no tau
+        ({"fedavg-sweep": {"method": "fedavg", "partition": "domain/seed0", "study": "tau_sweep"}}, "needs a tau"),
+        # a second main-study SelectKD at another tau
+        ({"sel-tau4": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 1, "tau": 4.0}}, "different tau"),
+    ],
+)
+def test_a_params_file_the_analysis_refuses_is_one_error_line_not_a_traceback(
+    tmp_path, monkeypatch, capsys, extra, says
+):
+    from pipeline.common.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("sel_s0", *extra):
+        write_experiment(tmp_path, name, {"Product": 2, "Academic": 1}, {"Product": (30, 10, 20)})
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
+    run0 = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"tau": 5.0, "experiments": {"sel_s0": run0} | extra}))
+    assert run(analyze.main, []) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: params.yaml") and says in err[0]

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.common.config import config
+from pipeline.common.config import ConfigError, config
 from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment
 from pipeline.paths import ProjectPaths
@@ -90,7 +90,7 @@ class Analysis:
         all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
         taus = sorted({e.tau for e in self.main if e.name in usages and e.tau is not None})
         if len(taus) > 1:
-            raise ValueError(f"params.yaml: the main-study SelectKD experiments use different tau values {taus}")
+            raise ConfigError(f"params.yaml: the main-study SelectKD experiments use different tau values {taus}")
         # a portable gate's tau (a share of ln|V|, a quantile) or a margin is no entropy: no H(q_g) < tau, no tau line
         tau = taus[0] if taus and {(e.tau_scale, e.kd_gate) for e in self.main if e.name in usages} == {ABS} else None
         for client in sorted(all_words["client"].unique()):
@@ -121,7 +121,7 @@ class Analysis:
         rows = []
         for e in sweep + [e for e in self.main if e.scheme in {s.scheme for s in sweep}]:
             if e.tau is None:
-                raise ValueError(f"params.yaml experiments.{e.name}: a tau-sweep experiment needs a tau")
+                raise ConfigError(f"params.yaml experiments.{e.name}: a tau-sweep experiment needs a tau")
             usage = usages.get(e.name) or self.usage(e, "tau sweep")
             scores = self.scores(e, "tau sweep")
             if usage is not None and scores is not None:
