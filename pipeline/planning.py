@@ -59,6 +59,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         "train": overrides,
         "tau_scale": train.get("tau_scale", "absolute"),
         "entropy_log_base": str(train.get("entropy_log_base", "e")),
+        "kd_gate": train.get("kd_gate", "entropy"),
         "privacy": raw.get(PRIVACY_KEY) or {},
     }
     exp = from_dict(Experiment, entry, where)

@@ -369,3 +369,65 @@ def test_the_analysis_reads_average_rouge_as_the_tables_do(tmp_path):
     scores = {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "rougeLsum": 29.0, "avg_rouge": 23.0, "n": 5}
     path.write_text(json.dumps({"clients": {"Product": scores}}))
     assert eval_scores(path)["Product"] == {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "avg_rouge": 20.0}
+
+
+def test_a_margin_gate_of_the_sweep_is_not_a_point_on_the_entropy_axis():
+    # kd_gate margin reads tau as a probability margin (top-1 minus top-2 >= tau; tau_scale does not apply), not an
+    # entropy: margin 1.0 (ROUGE 16) and entropy tau 1 nat (ROUGE 10) must not be one averaged point at tau 1 (13, 2
+    # seeds), nor a margin in a bits run be moved to 0.69 "nats"; the nats axis keeps the entropy gates (1, 5) only.
+    from pipeline.planning import declared
+    from pipeline.results.kd_analysis import SWEEP_COLUMNS, tau_sweep_rows, tau_sweep_summary
+
+    sweep = {"method": "fedselectkd", "partition": "domain/seed0", "study": "tau_sweep"}
+    params = {
+        "tau": 5.0,
+        "experiments": {
+            "main": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0},
+            "tau-1": sweep | {"tau": 1.0, "seed": 0},
+            "margin-1": sweep | {"tau": 1.0, "seed": 1, "kd_gate": "margin"},
+            "margin-bits": sweep | {"tau": 0.5, "seed": 0, "kd_gate": "margin", "entropy_log_base": 2},
+        },
+    }
+    runs = {e.name: e for e in declared(params)}
+    words = pd.DataFrame({"client": "A", "round": 1, "kd": [True], "is_noun_or_verb": [True], "pos": ["NOUN"]})
+    usage = {"words": words, "clients": {"A": {"best_round": 1, "kd_usage_ratio": 1.0}}}
+    rouge = {"main": 20.0, "tau-1": 10.0, "margin-1": 16.0, "margin-bits": 15.0}
+    rows = [r for n, x in rouge.items() for r in tau_sweep_rows(runs[n], usage, {"A": {"avg_rouge": x}})]
+    table, beside = tau_sweep_summary(pd.DataFrame(rows, columns=SWEEP_COLUMNS))
+    assert table["tau"].tolist() == [1.0, 5.0] and table["avg_rouge"].tolist() == [10.0, 20.0]
+    assert table["n_seeds"].tolist() == [1, 1]
+    assert sorted(zip(beside["tau"], beside["avg_rouge"])) == [(0.5, 15.0), (1.0, 16.0)]
+
+
+def test_a_margin_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch):
+    # kd_gate margin: KD where the teacher's top-1 minus top-2 probability >= 0.3; H(q_g) < 0.3 says nothing of it.
+    monkeypatch.chdir(tmp_path)
+    res = _analyze_one_selectkd_run(tmp_path, {"Product": 2, "Academic": 1}, tau=0.3, train={"kd_gate": "margin"})
+    for client in ("Product", "Academic"):
+        assert res["clients"][client]["gate_inconsistent_tokens"] is None  # not checkable here; never a false count
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        # FedAvg as the sweep's no-KD point: it reads no tau
+        ({"fedavg-sweep": {"method": "fedavg", "partition": "domain/seed0", "study": "tau_sweep"}}, "needs a tau"),
+        # a second main-study SelectKD at another tau
+        ({"sel-tau4": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 1, "tau": 4.0}}, "different tau"),
+    ],
+)
+def test_a_params_file_the_analysis_refuses_is_one_error_line_not_a_traceback(
+    tmp_path, monkeypatch, capsys, extra, says
+):
+    from pipeline.common.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("sel_s0", *extra):
+        write_experiment(tmp_path, name, {"Product": 2, "Academic": 1}, {"Product": (30, 10, 20)})
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
+    run0 = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"tau": 5.0, "experiments": {"sel_s0": run0} | extra}))
+    assert run(analyze.main, []) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: params.yaml") and says in err[0]

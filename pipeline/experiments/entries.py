@@ -31,6 +31,7 @@ class Experiment:
     entropy_log_base: str = "e"  # the unit of H(q_g) and an absolute tau ("2": bits), resolved as tau_scale is
     privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `privacy`
     dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
+    kd_gate: str = "entropy"  # selective KD's gate (tau its threshold; only "entropy" reads tau as an entropy)
 
     @field_validator("method")
     @classmethod

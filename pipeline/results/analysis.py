@@ -22,7 +22,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.common.config import config
+from pipeline.common.config import ConfigError, config
 from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment
 from pipeline.paths import ProjectPaths
@@ -32,7 +32,7 @@ from pipeline.results.plotting import slug
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
-MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
+MAIN_STUDY, TAU_STUDY, ABS = "main", "tau_sweep", ("absolute", "entropy")  # ABS: tau an entropy threshold
 
 
 @config
@@ -90,9 +90,9 @@ class Analysis:
         all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
         taus = sorted({e.tau for e in self.main if e.name in usages and e.tau is not None})
         if len(taus) > 1:
-            raise ValueError(f"params.yaml: the main-study SelectKD experiments use different tau values {taus}")
-        # a portable gate's tau (a share of ln|V|, a quantile) is no entropy: no check of H(q_g) < tau, no tau line
-        tau = taus[0] if taus and {e.tau_scale for e in self.main if e.name in usages} == {"absolute"} else None
+            raise ConfigError(f"params.yaml: the main-study SelectKD experiments use different tau values {taus}")
+        # a portable gate's tau (a share of ln|V|, a quantile) or a margin is no entropy: no H(q_g) < tau, no tau line
+        tau = taus[0] if taus and {(e.tau_scale, e.kd_gate) for e in self.main if e.name in usages} == {ABS} else None
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
@@ -121,7 +121,7 @@ class Analysis:
         rows = []
         for e in sweep + [e for e in self.main if e.scheme in {s.scheme for s in sweep}]:
             if e.tau is None:
-                raise ValueError(f"params.yaml experiments.{e.name}: a tau-sweep experiment needs a tau")
+                raise ConfigError(f"params.yaml experiments.{e.name}: a tau-sweep experiment needs a tau")
             usage = usages.get(e.name) or self.usage(e, "tau sweep")
             scores = self.scores(e, "tau sweep")
             if usage is not None and scores is not None:
@@ -129,7 +129,7 @@ class Analysis:
         per_run = pd.DataFrame(rows, columns=kd_analysis.SWEEP_COLUMNS)
         table, portable = kd_analysis.tau_sweep_summary(per_run)
         atomic.to_csv(table.round(6), self.paths.analysis / "tau_sweep.csv", index=False)
-        main = [kd_analysis.tau_nats(e) for e in self.main if e.tau_scale == "absolute"]  # its tau, in nats too
+        main = [kd_analysis.tau_nats(e) for e in self.main if (e.tau_scale, e.kd_gate) == ABS]  # its tau, in nats too
         kd_analysis.plot_tau_sweep(table, main[0] if main else None, self.figures / "tau_sweep.png")
         return {
             "points": table.to_dict(orient="records"),

@@ -146,7 +146,7 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     if usage := [v["kd_usage_ratio"] for v in clients if v.get("kd_usage_ratio") is not None]:
         ours, paper = [round(100 * u) for u in usage], [round(100 * u) for u in published.KD_USAGE_RATIO.values()]
         text += (
-            f" Its selective KD distils on {min(ours)}-{max(ours)} % of target tokens at tau = {kd.get('tau')}, "
+            f" Its selective KD distils on {min(ours)}-{max(ours)} % of target words at tau = {kd.get('tau')}, "
             f"the paper's on {min(paper)}-{max(paper)} %."
         )
     return text
@@ -285,9 +285,12 @@ def _per_client(per_client: pd.DataFrame) -> list[str]:
     fed_clients = per_client[per_client["method_a"].isin(mains) & per_client["method_b"].isin(mains)]
     if fed_clients.empty:
         return []
-    sig = fed_clients[fed_clients["significant"]]
+    sig, tested = fed_clients[fed_clients["significant"]], fed_clients[~fed_clients["few_seeds"]]
+    if tested.empty:  # every one below `report.claim_min_seeds`: no claim, of an ordering or of none
+        seeds = _span(sorted(set(fed_clients["n_seeds"].astype(int))))
+        return [f"- Per-client comparisons among AdaSingle, FedAvg, FedKD and SelectKD, {seeds} seeds: numbers only."]
     if sig.empty:
-        c = _records(fed_clients.loc[[fed_clients["p_value"].idxmin()]])[0]
+        c = _records(tested.loc[[tested["p_value"].idxmin()]])[0]
         return [
             f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD holds (closest: "
             f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, "
