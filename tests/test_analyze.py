@@ -11,7 +11,7 @@ import yaml
 
 from pipeline import analyze
 from pipeline.common.schema import DataError
-from pipeline.results.kd_analysis import kd_usage, word_updates
+from pipeline.results.kd_analysis import SELECTKD, kd_usage, word_updates
 
 NA = None
 # Paper's worked example "project manager decides to use lcd" as BPE pieces; label positions 0..9.
@@ -431,3 +431,29 @@ def test_a_params_file_the_analysis_refuses_is_one_error_line_not_a_traceback(
     assert run(analyze.main, []) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: params.yaml") and says in err[0]
+
+
+def test_hard_kd_minus_selectkd_is_taken_over_the_seeds_both_trained(tmp_path):
+    """Noun-verb hard KD against SelectKD on equal footing: hard KD trained seed 0 only, SelectKD seeds 0 and 1, so
+    the difference is hard KD's seed 0 minus SelectKD's seed 0 (18 - 20), not minus SelectKD's two-seed mean
+    (18 - 22): the second seed's luck is no property of hard KD."""
+    from types import SimpleNamespace
+
+    from pipeline.experiments.entries import Experiment
+    from pipeline.results.analysis import Analysis
+
+    runs = [
+        Experiment(name=n, method=m, partition=f"domain/seed{s}", seed=s, tau=5.0 if m == "fedselectkd" else None)
+        for n, m, s in (("sel_s0", "fedselectkd", 0), ("sel_s1", "fedselectkd", 1), ("hard_s0", "hardkd", 0))
+    ]
+    rouge = {"sel_s0": 20.0, "sel_s1": 24.0, "hard_s0": 18.0}
+    metrics = ("rouge1", "rouge2", "rougeL", "avg_rouge")
+    analysis = SimpleNamespace(
+        experiments=runs,
+        main=runs[:2],
+        figures=tmp_path,
+        scores=lambda e, needed_for: {"Product": dict.fromkeys(metrics, rouge[e.name])},
+    )
+    out = Analysis.hardkd(analysis)
+    assert out["hardkd_minus_selectkd_avg_rouge"] == {"Product": pytest.approx(18.0 - 20.0)}
+    assert out["methods"][SELECTKD]["Product"]["mean"]["avg_rouge"] == 22.0  # the table keeps every seed

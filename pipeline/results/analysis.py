@@ -102,16 +102,22 @@ class Analysis:
         return clients, usages
 
     def hardkd(self) -> dict[str, Any]:
-        """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds."""
+        """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds, and their difference
+        over the runs (partition, seed) both trained: equal footing, another seed's luck is no property of a method."""
         main_parts = {e.partition for e in self.main}
         hard = [e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)]
-        comparison = {
-            method: kd_analysis.seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
-            for method, exps in ((SELECTKD, self.main), (HARDKD, hard))
+        runs = {
+            m: [(e, self.scores(e, "hard KD vs SelectKD")) for e in exps]
+            for m, exps in ((SELECTKD, self.main), (HARDKD, hard))
         }
+        comparison = {m: kd_analysis.seed_means([(e.name, s) for e, s in r]) for m, r in runs.items()}
         kd_analysis.plot_hardkd(comparison, self.figures / "hardkd_vs_selectkd.png")
-        # per client in both: hard KD's mean minus SelectKD's
-        hard, select = comparison[HARDKD], comparison[SELECTKD]
+        both = set.intersection(*({(e.partition, e.seed) for e, _ in r} for r in runs.values()))
+        paired = {
+            m: kd_analysis.seed_means([(e.name, s) for e, s in r if (e.partition, e.seed) in both])
+            for m, r in runs.items()
+        }
+        hard, select = paired[HARDKD], paired[SELECTKD]
         diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
         return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": diff}
 
