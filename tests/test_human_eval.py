@@ -166,3 +166,26 @@ def test_the_runs_are_the_lowest_seed_at_which_the_target_and_an_opponent_have_p
         "fedselectkd": "fedselectkd-s1",
     }
     assert make_sheets(preds, tmp_path / "kit", ReportConfig(), {}, {}, seed)["run_seed"] == 1  # the kit says which
+
+
+def test_the_case_study_uses_the_lowest_seed_at_which_fedavg_and_selectkd_both_have_predictions(tmp_path):
+    # SelectKD at seeds 0 and 1, FedKD at 0, FedAvg at 1 only (METHOD.md 7.11: FedAvg, SelectKD and the gold summary
+    # per domain): the sheets take seed 0 (SelectKD against FedKD), the case study seed 1, the one seed with both
+    from pipeline.paths import ProjectPaths
+    from pipeline.report import report_inputs
+    from pipeline.results.outputs import build_report
+
+    experiments = {}
+    for m, s in (("fedselectkd", 0), ("fedselectkd", 1), ("fedkd", 0), ("fedavg", 1)):
+        experiments[name := f"{m}-s{s}"] = {"method": m, "partition": "domain/seed0", "seed": s, "study": "main"}
+        (d := tmp_path / "reports/eval" / name).mkdir(parents=True)
+        rows = [
+            {"experiment": name, "example_id": f"{x}/e1", "domain": x, "prediction": name, "reference": "g"}
+            for x in DOMAINS
+        ]
+        (d / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    index = build_report(report_inputs({"tau": 5.0, "experiments": experiments}), ProjectPaths(tmp_path))
+    assert "case study" not in index["not_made"]
+    case = (tmp_path / "reports/tables/case_study.md").read_text()
+    assert case.count("`fedavg-s1`") == case.count("`fedselectkd-s1`") == 3 and "fedselectkd-s0" not in case
+    assert json.loads((tmp_path / "reports/human_eval/sheets/summary.json").read_text())["run_seed"] == 0

@@ -51,13 +51,16 @@ class KeyEntry:
     opponent_experiment: str
 
 
-def predictions_by_method(planned: list[Experiment], eval_dir: Path, target: str) -> tuple[Predictions, int | None]:
-    """method -> example_id -> Prediction for the main study's lowest seed at which ``target`` and another method have
-    predictions (without one, the lowest seed with any), and that seed."""
+def predictions_by_method(
+    planned: list[Experiment], eval_dir: Path, target: str, other: str | None = None
+) -> tuple[Predictions, int | None]:
+    """method -> example_id -> Prediction for the main study's lowest seed at which ``target`` and another method (the
+    method ``other`` if given) have predictions (without one, the lowest seed with any), and that seed."""
     avail = [p for p in planned if p.study == "main" and (eval_dir / p.name / "predictions.jsonl").is_file()]
     if not avail:
         return {}, None
-    shared = {p.seed for p in avail if p.method == target} & {p.seed for p in avail if p.method != target}
+    others = {p.seed for p in avail if p.method != target and other in (None, p.method)}
+    shared = {p.seed for p in avail if p.method == target} & others
     chosen_seed = min(shared or {p.seed for p in avail})
     out: dict[str, dict[str, Prediction]] = {}
     for p in sorted(avail, key=lambda p: p.name):

@@ -116,10 +116,11 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     if not figures.learning_curves(inp, paths, made):
         made.not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 
-    # Case study and human-evaluation sheets from the main study's lowest seed evaluating the target and another method.
+    # Human-evaluation sheets (case study) from the main study's lowest seed evaluating the target and another (FedAvg).
     preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports, cfg.human_eval_target)
     queries, meeting_of = human_eval.example_info(paths.examples)
-    text = human_eval.case_study(preds, queries, cfg.case_study_seed)
+    case_preds = human_eval.predictions_by_method(planned, paths.eval_reports, "fedselectkd", "fedavg")[0]
+    text = human_eval.case_study(case_preds, queries, cfg.case_study_seed)
     if text is None:
         made.not_made["case study"] = "needs predictions of both fedavg and fedselectkd in study `main`"
     else:
