@@ -30,7 +30,7 @@ def report_inputs(params: dict[str, Any], where: str = "params.yaml") -> ReportI
     return ReportInputs(
         planned := declared(params),
         from_dict(ReportConfig, params.get("report"), f"{where} report"),
-        from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap"),
+        from_dict(BootstrapConfig, params.get("bootstrap"), f"{where} bootstrap"),
         {e.name: resolve_plan(e, params)["train"] for e in planned if e.method in ("centralized", "single")},
     )
 

@@ -491,3 +491,18 @@ def test_the_committed_study_folders_tables_do_not_say_the_bootstrap_is_within_c
     tables = sorted((root / "cpu-study" / "tables").glob("*.md")) + sorted((root / "privacy/study/tables").glob("*.md"))
     stale = [str(p.relative_to(root)) for p in tables if "bootstrap over test examples within clients" in p.read_text()]
     assert len(tables) >= 4 and stale == []
+
+
+def test_a_bad_bootstrap_value_in_a_study_folders_params_is_one_line_naming_that_file(tmp_path):
+    # `python -m pipeline.report rebuild <folder>` reads <folder>/params.yaml: its bad report value names the file,
+    # and so must its bad bootstrap value (not a bare 'bootstrap.level', which reads as the repo's params.yaml)
+    import yaml
+
+    from pipeline.common.config import ConfigError
+    from pipeline.report import main as report_main
+    from tests.errors import names
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"experiments": {}, "bootstrap": {"level": "high"}}))
+    with pytest.raises(ConfigError) as err:
+        report_main(["rebuild", str(tmp_path)])
+    names(err.value, str(tmp_path / "params.yaml"), "bootstrap.level", "high")
