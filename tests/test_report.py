@@ -506,3 +506,37 @@ def test_a_bad_bootstrap_value_in_a_study_folders_params_is_one_line_naming_that
     with pytest.raises(ConfigError) as err:
         report_main(["rebuild", str(tmp_path)])
     names(err.value, str(tmp_path / "params.yaml"), "bootstrap.level", "high")
+
+
+def test_the_round_budget_marks_count_the_runs_whose_scores_the_row_holds(tmp_path):
+    # fedavg trained at seeds 0 and 1 but evaluated at seed 0 only; SelectKD trained and evaluated at 0 and 1. Seed 1's
+    # runs had their best round last (still improving), seed 0's not. The study table's fedavg row is over seed 0:
+    # 0 of its 1 seed (no mark), not 1 of 2; SelectKD's over 0 and 1: 1 of 2. The main table is over the shared seed
+    # 0: no row has a mark and its note counts none of the 12 client-runs trained
+    experiments = {}
+    for method, seed, evaluated in (
+        ("fedavg", 0, True),
+        ("fedavg", 1, False),
+        ("fedselectkd", 0, 1),
+        ("fedselectkd", 1, 1),
+    ):
+        name = f"{method}-s{seed}"
+        experiments[name] = {"method": method, "partition": f"domain/seed{seed}", "seed": seed, "study": "main"}
+        val = (3.0, 2.0, 2.5) if seed == 0 else (3.0, 2.5, 2.0)  # best round 2 of 3, or 3 of 3
+        rounds = [{"round": r + 1, **{f"{c}/val_loss": v for c in CLIENTS}} for r, v in enumerate(val)]
+        (tmp_path / "reports/train" / name).mkdir(parents=True)
+        (tmp_path / "reports/train" / name / "rounds.json").write_text(json.dumps(rounds))
+        if evaluated:
+            (d := tmp_path / "reports/eval" / name).mkdir(parents=True)
+            scores = {c: client_scores(20 + seed, 5, 15) for c in CLIENTS}
+            (d / "metrics.json").write_text(json.dumps({"experiment": name, "method": method, "clients": scores}))
+    build_report(report_inputs({"tau": 5.0, "experiments": experiments}), ProjectPaths(tmp_path))
+    study = (tmp_path / "reports/tables/study_main.md").read_text().splitlines()
+    marks = {
+        (r.split(" | ")[0].strip("| "), r.split(" | ")[2]): r.rsplit(" | ", 1)[1].strip(" |")
+        for r in study
+        if r.startswith(("| fedavg", "| fedselectkd"))
+    }
+    assert marks == {("fedavg", c): "–" for c in CLIENTS} | {("fedselectkd tau=5", c): "↗ 1/2" for c in CLIENTS}
+    main = next((tmp_path / "reports/tables").glob("main_*.md")).read_text()
+    assert "↗" not in main.split("## Paired comparisons")[0]

@@ -41,7 +41,7 @@ def write_tables(
     tables_dir, planned, labels, bootstrap = reports / "tables", inp.planned, inp.labels, inp.bootstrap
     scores, missing_eval = collect_scores(planned, labels, reports / "eval")
     agg = figures.pre_addition_stand_in(tables.aggregate(scores, inp))
-    converged = convergence_table(planned, labels, reports / "train")
+    converged = convergence_table([p for p in planned if p.name not in missing_eval], labels, reports / "train")
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
     compared, notes = comparisons.comparisons_table(inp.configurations, inp.cfg.baselines, reports / "eval", bootstrap)
@@ -70,7 +70,8 @@ def write_tables(
             if seeds
             else "\nNo seed is shared by every method: each row is over its own seeds (column `seeds`).\n"
         )
-        text = tables.main_table_markdown(table, backbone, compared, bootstrap, converged)
+        runs = converged[converged["seed"].isin(seeds)] if seeds else converged  # the runs of the table's numbers
+        text = tables.main_table_markdown(table, backbone, compared, bootstrap, runs)
         made.text("tables", stem.with_suffix(".md"), text + note)
         made.csv("tables", stem.with_suffix(".csv"), table)
 
