@@ -117,7 +117,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     if not figures.learning_curves(inp, paths, made):
         made.not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 
-    # Human-evaluation sheets (case study) from the main study's lowest seed evaluating the target and another (FedAvg).
+    # Sheets: the main study's lowest seed with the target and another method; case study: with FedAvg and SelectKD.
     preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports, cfg.human_eval_target)
     queries, meeting_of = human_eval.example_info(paths.examples)
     case_preds = human_eval.predictions_by_method(planned, paths.eval_reports, "fedselectkd", "fedavg")[0]
