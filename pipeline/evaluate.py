@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     params = load_params(args.params)
-    cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
-    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
+    cfg = from_dict(EvaluateConfig, params.get("evaluate"), f"{args.params} evaluate")
+    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), f"{args.params} bootstrap")
     if args.command == "model":
         with tempfile.TemporaryDirectory() as tmp:
             tags = download_model(args.model, Path(tmp))

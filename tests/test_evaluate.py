@@ -226,3 +226,20 @@ def test_experiments_evaluated_together_give_each_what_it_gives_alone(workspace,
         assert same == (tmp_path / "alone" / name / "predictions.jsonl").read_text()
     exp1 = (tmp_path / "alone" / "exp1" / "predictions.jsonl").read_text()
     assert exp1 != (tmp_path / "alone" / "exp2" / "predictions.jsonl").read_text().replace("exp2", "exp1")
+
+
+@pytest.mark.parametrize("group, key, value", [("bootstrap", "level", "high"), ("evaluate", "num_beams", 0)])
+def test_a_bad_evaluate_or_bootstrap_value_names_the_params_file_it_came_from(tmp_path, group, key, value):
+    # `python -m pipeline.evaluate run --params <file>`: a bad value names <file>, not a bare '<group>.<key>' that
+    # reads as the repository's params.yaml
+    import yaml
+
+    from pipeline.common.config import ConfigError
+    from pipeline.evaluate import main as evaluate_main
+    from tests.errors import names
+
+    params = tmp_path / "study-params.yaml"
+    params.write_text(yaml.safe_dump({"experiments": {}, group: {key: value}}))
+    with pytest.raises(ConfigError) as err:
+        evaluate_main(["run", "--experiment", "x", "--params", str(params)])
+    names(err.value, str(params), f"{group}.{key}", str(value))
