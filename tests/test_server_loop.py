@@ -2065,3 +2065,28 @@ def test_clients_returning_what_they_received_leave_every_strategy_at_the_lossy_
     for got in [state for kind, _, _, state in script.calls if kind == "train"]:
         assert_state(got, received, exact=False)
     assert_state(final, received, exact=False)
+
+
+def test_fedavgm_takes_every_rounds_pseudo_gradient_against_the_lossy_downlink_not_only_the_first(ws):
+    """int8, FedAvgM (server_lr 0.5, momentum 0.9), 3 rounds of constant client updates: by hand, each round
+    the clients get s = q(W), return s + delta_c, the pseudo-gradient is g = s - sum_c p_c reply_c, m = g (round 1) or
+    0.9 m + g, and W <- s - 0.5 m. Flower's FedAvgM keeps the first round's arrays as its reference and then its
+    own exact aggregate W, so from round 2 on q(W) - W entered g as if the clients had moved it."""
+    from pipeline.federation.protocol import decode_global, decode_reply, encode_global, encode_reply, load_plan
+
+    fedopt = {"server_optimizer": "sgdm", "server_lr": 0.5, "server_momentum": 0.9}
+    path = write_plan(
+        "loop-lossy-fedavgm", "fedopt", rounds=3, fraction_train=1.0, transfer_dtype="int8", fedopt=fedopt
+    )
+    final, _, _ = run(path, Script())
+    plan, clients = load_plan(path), ["Academic", "Committee", "Product"]
+    p = {c: WEIGHTS[c] / sum(WEIGHTS[c] for c in clients) for c in clients}
+    w, m = {k: v.double() for k, v in initial(path).items()}, None
+    for _ in range(3):
+        sent = decode_global(encode_global({k: v.float() for k, v in w.items()}, plan), plan)
+        replies = {c: encode_reply({k: v + DELTAS[c] for k, v in sent.items()}, plan, sent) for c in clients}
+        replies = {c: decode_reply(r, plan, sent).to_torch_state_dict() for c, r in replies.items()}
+        g = {k: sent[k].double() - sum(p[c] * replies[c][k].double() for c in clients) for k in sent}
+        m = g if m is None else {k: 0.9 * m[k] + g[k] for k in g}
+        w = {k: sent[k].double() - 0.5 * m[k] for k in g}
+    assert_state(final, w, exact=False)

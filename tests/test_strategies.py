@@ -169,7 +169,7 @@ def test_server_algorithms_get_their_settings():
     assert type(prox) is fs.FedProx and prox.proximal_mu == 0.01
     assert type(_strategy("fedavg")) is fs.FedAvg
     sgdm = _strategy("fedopt", fedopt={"server_lr": 0.5, "server_momentum": 0.8})
-    assert type(sgdm) is fs.FedAvgM and (sgdm.server_learning_rate, sgdm.server_momentum) == (0.5, 0.8)
+    assert isinstance(sgdm, fs.FedAvgM) and (sgdm.server_learning_rate, sgdm.server_momentum) == (0.5, 0.8)
     cfg = {"server_optimizer": "adam", "server_lr": 0.05, "beta_1": 0.8, "beta_2": 0.95, "eps": 1e-4}
     adam = _strategy("fedopt", fedopt=cfg, client_lr=3e-4)
     assert type(adam) is fs.FedAdam
