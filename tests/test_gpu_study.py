@@ -654,3 +654,18 @@ def test_the_gpu_lease_docs_warm_up_pace_is_the_committed_calls_backbone_record(
         f"its {warmup['steps']:,} steps ran at {warmup['steps'] / warmup['seconds']:.0f} steps/s with the per-tensor "
         f"loop, {warmup['seconds']:.0f} of the backbone step's {step['seconds']:.0f} s)"
     ) in doc
+
+
+def test_the_import_of_a_call_cut_before_any_run_finished_writes_the_readme_not_a_traceback(tmp_path, monkeypatch):
+    """The lent H100's call (reports/bench/gpu-study-call: every run cut mid-training, no evaluation) published no
+    models/<exp>/, so its results hold no run record; the import's README has a 'did NOT complete' branch for such a
+    study, but log_runs listed the runs folder the unpack never made: FileNotFoundError after reports/gpu-study was
+    half written. Such a study has no run to log (30 rounds.json, no experiment.json) and tables with nothing made."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))
+    dest = tmp_path / "gpu-study"
+    done = importer.import_study(ROOT / "reports/bench/gpu-study-call", dest)
+    assert done["mlflow_runs"] == [] and done["complete"] is False
+    assert len(list((dest / "train").glob("*/rounds.json"))) == 30
+    assert "did NOT complete" in (dest / "README.md").read_text()
+    assert "no evaluated experiment" in done["not_made"]["main table"]

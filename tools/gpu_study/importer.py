@@ -99,7 +99,7 @@ def log_runs(dest: Path, device: str) -> list[str]:
     params = load_params(dest / "params.yaml")
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
     ids = []
-    for run_dir in sorted((dest / "runs").iterdir()):
+    for run_dir in sorted((dest / "runs").glob("*")):  # none when every run was cut before it finished
         plan = read_plan(run_dir / "experiment.json")
         logger = RunLogger.start(
             plan.study,
