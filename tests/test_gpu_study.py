@@ -669,3 +669,17 @@ def test_the_import_of_a_call_cut_before_any_run_finished_writes_the_readme_not_
     assert len(list((dest / "train").glob("*/rounds.json"))) == 30
     assert "did NOT complete" in (dest / "README.md").read_text()
     assert "no evaluated experiment" in done["not_made"]["main table"]
+
+
+def test_the_report_of_a_call_that_stopped_before_its_workspace_says_so_in_one_line(tmp_path):
+    """A study call on a machine that went back after the staging call (it finds no staged weight parts) or whose
+    wheels do not install stops before its workspace: it packs log.tar.gz and an empty results.tar.gz (no repo).
+    call_report, for 'any call, finished or cut', raised KeyError: 'params.yaml' on those files; it must say in one
+    line that the call stopped before its workspace and where its steps are."""
+    m = prepare.build_carry(tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], _tiny_minilm(tmp_path / "m"), 2**20)
+    assert [c for c in m["calls"] if c != "carry"]  # the weights need a staging call, not sent here
+    out = tmp_path / "out"
+    rec = device.run_study(tmp_path / "lease/carry", out, TINY, tmp_path / "work", 60, stage_dir=tmp_path / "bare")
+    assert [(s["step"], s["status"][:6]) for s in rec["steps"]] == [("install", "ok"), ("workspace", "failed")]
+    with pytest.raises(SystemExit, match=r"no params\.yaml in results\.tar\.gz: .*before its workspace.*study\.json"):
+        call_report.section(out)

@@ -231,6 +231,10 @@ def section(folder: Path) -> str:
     if missing := [n for n in ("log.tar.gz", "results.tar.gz") if n not in blobs]:
         raise SystemExit(f"{folder}: no {' nor '.join(missing)}: the call was cut before packing; see its study.json")
     logs, results = _members(blobs["log.tar.gz"]), _members(blobs["results.tar.gz"])
+    if "params.yaml" not in results:  # the install or workspace step failed: nothing ran to report on
+        raise SystemExit(
+            f"{folder}: no params.yaml in results.tar.gz: the call stopped before its workspace; see study.json"
+        )
     log = logs.get("log.txt", b"").decode(errors="replace").replace("\r", "\n")
     log = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", log)  # tqdm's cursor moves between the bars of the runs
     with tempfile.TemporaryDirectory() as tmp:
