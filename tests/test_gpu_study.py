@@ -683,3 +683,16 @@ def test_the_report_of_a_call_that_stopped_before_its_workspace_says_so_in_one_l
     assert [(s["step"], s["status"][:6]) for s in rec["steps"]] == [("install", "ok"), ("workspace", "failed")]
     with pytest.raises(SystemExit, match=r"no params\.yaml in results\.tar\.gz: .*before its workspace.*study\.json"):
         call_report.section(out)
+
+
+def test_the_import_of_a_call_that_stopped_before_its_workspace_says_so_in_one_line_writing_nothing(tmp_path):
+    """The same call (no staged weight parts: its workspace step failed) returns an empty results.tar.gz; the import
+    wrote device/ into the study folder, then raised ConfigError '<dest>/params.yaml: parameter file not found (run
+    from the project root)' from log_runs. It must refuse in one line, before writing anything."""
+    m = prepare.build_carry(tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], _tiny_minilm(tmp_path / "m"), 2**20)
+    assert [c for c in m["calls"] if c != "carry"]
+    out, dest = tmp_path / "out", tmp_path / "gpu-study"
+    device.run_study(tmp_path / "lease/carry", out, TINY, tmp_path / "work", 60, stage_dir=tmp_path / "bare")
+    with pytest.raises(SystemExit, match=r"no params\.yaml in results\.tar\.gz: .*before its workspace.*study\.json"):
+        importer.import_study(out, dest)
+    assert not dest.exists()
