@@ -696,3 +696,12 @@ def test_the_import_of_a_call_that_stopped_before_its_workspace_says_so_in_one_l
     with pytest.raises(SystemExit, match=r"no params\.yaml in results\.tar\.gz: .*before its workspace.*study\.json"):
         importer.import_study(out, dest)
     assert not dest.exists()
+
+
+def test_a_staging_call_that_finds_no_weight_parts_fails_in_one_line(tmp_path):
+    """A staging call whose folder did not travel (carry not named, or a prepare that made no such folder) staged
+    nothing, printed nothing and exited 0: the lease went on to the 600 s study call, which then stops at its workspace
+    ('send the staging call first'). It must fail there, in one line naming the folder."""
+    with pytest.raises(SystemExit, match=r"stage1: no weights\.part\* to stage"):
+        device.stage(tmp_path / ".gpu-study/stage1", stage_dir=tmp_path / "staged")
+    assert not (tmp_path / "staged").exists()
