@@ -654,3 +654,54 @@ def test_the_gpu_lease_docs_warm_up_pace_is_the_committed_calls_backbone_record(
         f"its {warmup['steps']:,} steps ran at {warmup['steps'] / warmup['seconds']:.0f} steps/s with the per-tensor "
         f"loop, {warmup['seconds']:.0f} of the backbone step's {step['seconds']:.0f} s)"
     ) in doc
+
+
+def test_the_import_of_a_call_cut_before_any_run_finished_writes_the_readme_not_a_traceback(tmp_path, monkeypatch):
+    """The lent H100's call (reports/bench/gpu-study-call: every run cut mid-training, no evaluation) published no
+    models/<exp>/, so its results hold no run record; the import's README has a 'did NOT complete' branch for such a
+    study, but log_runs listed the runs folder the unpack never made: FileNotFoundError after reports/gpu-study was
+    half written. Such a study has no run to log (30 rounds.json, no experiment.json) and tables with nothing made."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))
+    dest = tmp_path / "gpu-study"
+    done = importer.import_study(ROOT / "reports/bench/gpu-study-call", dest)
+    assert done["mlflow_runs"] == [] and done["complete"] is False
+    assert len(list((dest / "train").glob("*/rounds.json"))) == 30
+    assert "did NOT complete" in (dest / "README.md").read_text()
+    assert "no evaluated experiment" in done["not_made"]["main table"]
+
+
+def test_the_report_of_a_call_that_stopped_before_its_workspace_says_so_in_one_line(tmp_path):
+    """A study call on a machine that went back after the staging call (it finds no staged weight parts) or whose
+    wheels do not install stops before its workspace: it packs log.tar.gz and an empty results.tar.gz (no repo).
+    call_report, for 'any call, finished or cut', raised KeyError: 'params.yaml' on those files; it must say in one
+    line that the call stopped before its workspace and where its steps are."""
+    m = prepare.build_carry(tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], _tiny_minilm(tmp_path / "m"), 2**20)
+    assert [c for c in m["calls"] if c != "carry"]  # the weights need a staging call, not sent here
+    out = tmp_path / "out"
+    rec = device.run_study(tmp_path / "lease/carry", out, TINY, tmp_path / "work", 60, stage_dir=tmp_path / "bare")
+    assert [(s["step"], s["status"][:6]) for s in rec["steps"]] == [("install", "ok"), ("workspace", "failed")]
+    with pytest.raises(SystemExit, match=r"no params\.yaml in results\.tar\.gz: .*before its workspace.*study\.json"):
+        call_report.section(out)
+
+
+def test_the_import_of_a_call_that_stopped_before_its_workspace_says_so_in_one_line_writing_nothing(tmp_path):
+    """The same call (no staged weight parts: its workspace step failed) returns an empty results.tar.gz; the import
+    wrote device/ into the study folder, then raised ConfigError '<dest>/params.yaml: parameter file not found (run
+    from the project root)' from log_runs. It must refuse in one line, before writing anything."""
+    m = prepare.build_carry(tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], _tiny_minilm(tmp_path / "m"), 2**20)
+    assert [c for c in m["calls"] if c != "carry"]
+    out, dest = tmp_path / "out", tmp_path / "gpu-study"
+    device.run_study(tmp_path / "lease/carry", out, TINY, tmp_path / "work", 60, stage_dir=tmp_path / "bare")
+    with pytest.raises(SystemExit, match=r"no params\.yaml in results\.tar\.gz: .*before its workspace.*study\.json"):
+        importer.import_study(out, dest)
+    assert not dest.exists()
+
+
+def test_a_staging_call_that_finds_no_weight_parts_fails_in_one_line(tmp_path):
+    """A staging call whose folder did not travel (carry not named, or a prepare that made no such folder) staged
+    nothing, printed nothing and exited 0: the lease went on to the 600 s study call, which then stops at its workspace
+    ('send the staging call first'). It must fail there, in one line naming the folder."""
+    with pytest.raises(SystemExit, match=r"stage1: no weights\.part\* to stage"):
+        device.stage(tmp_path / ".gpu-study/stage1", stage_dir=tmp_path / "staged")
+    assert not (tmp_path / "staged").exists()

@@ -91,6 +91,7 @@ def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict
             for s in series.values()
             if len(s) >= HOLDOUT + 3
         ]
+        gains = [relative_improvements(s)[-1] for s in series.values() if len(s) > 1]  # none for a lone first round
         rows.append(
             {
                 "arm": arm,
@@ -98,7 +99,7 @@ def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict
                 "rounds": sorted({len(s) for s in series.values()}),
                 "first": statistics.mean(s[0] for s in series.values()),
                 "last": statistics.mean(s[-1] for s in series.values()),
-                "last_gain": statistics.mean(relative_improvements(s)[-1] for s in series.values()),
+                "last_gain": statistics.mean(gains) if gains else None,
                 "converged": sum(plateaued(s, stop.min_rel_improvement, stop.patience) for s in series.values()),
                 "projected": [p["stop_round"] for p in projections],
                 "holdout": max((p["holdout_error"] for p in projections), default=None),
@@ -141,7 +142,7 @@ def markdown(
     rows = convergence_rows(rounds, stop)
     table = "".join(
         f"| {r['arm']} | {r['runs']} | {'-'.join(map(str, r['rounds']))} | {r['first']:.3f} "
-        f"| {r['last']:.3f} | {100 * r['last_gain']:.2f} | {r['converged']} of {r['runs']} | "
+        f"| {r['last']:.3f} | {_number(r['last_gain'] and 100 * r['last_gain'], '.2f')} | {r['converged']} of {r['runs']} | "
         f"{', '.join(str(p) if p else f'>{stop.max_rounds}' for p in r['projected']) or '-'} | "
         f"{_number(r['holdout'], '.3f')} |\n"
         for r in rows
@@ -230,6 +231,10 @@ def section(folder: Path) -> str:
     if missing := [n for n in ("log.tar.gz", "results.tar.gz") if n not in blobs]:
         raise SystemExit(f"{folder}: no {' nor '.join(missing)}: the call was cut before packing; see its study.json")
     logs, results = _members(blobs["log.tar.gz"]), _members(blobs["results.tar.gz"])
+    if "params.yaml" not in results:  # the install or workspace step failed: nothing ran to report on
+        raise SystemExit(
+            f"{folder}: no params.yaml in results.tar.gz: the call stopped before its workspace; see study.json"
+        )
     log = logs.get("log.txt", b"").decode(errors="replace").replace("\r", "\n")
     log = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", log)  # tqdm's cursor moves between the bars of the runs
     with tempfile.TemporaryDirectory() as tmp:

@@ -117,8 +117,10 @@ def assemble_minilm(carry: Path, stage_dir: Path, dest: Path) -> Path:
 
 def stage(folder: Path, stage_dir: Path = STAGE_DIR) -> None:
     """A staging call: keep ``folder``'s parts on the machine for the study's call."""
+    if not (parts := sorted(folder.glob("weights.part*"))):  # a folder that did not travel (not in the call's carry)
+        raise SystemExit(f'{folder}: no weights.part* to stage (carry it: carry ["{folder}"])')
     stage_dir.mkdir(parents=True, exist_ok=True)
-    for f in sorted(folder.glob("weights.part*")):
+    for f in parts:
         shutil.copy(f, stage_dir / f.name)
         print(f"staged {f.name} ({f.stat().st_size / 2**20:.1f} MiB) in {stage_dir}")
 

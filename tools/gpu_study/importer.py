@@ -69,6 +69,11 @@ def unpack(returned: Path, dest: Path) -> dict[str, Any]:
     found = archives(returned)
     if "results.tar.gz" not in found:
         raise SystemExit(f"{returned}: results.tar.gz missing (the files of `python -m tools.gpu_study.device run`)")
+    with tarfile.open(fileobj=io.BytesIO(found["results.tar.gz"])) as tar:  # the install or workspace step failed
+        if "params.yaml" not in tar.getnames():
+            raise SystemExit(
+                f"{returned}: no params.yaml in results.tar.gz: the call stopped before its workspace; see study.json"
+            )
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "device").mkdir(exist_ok=True)
     shutil.copy(returned / "study.json", dest / "device/study.json")
@@ -99,7 +104,7 @@ def log_runs(dest: Path, device: str) -> list[str]:
     params = load_params(dest / "params.yaml")
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
     ids = []
-    for run_dir in sorted((dest / "runs").iterdir()):
+    for run_dir in sorted((dest / "runs").glob("*")):  # none when every run was cut before it finished
         plan = read_plan(run_dir / "experiment.json")
         logger = RunLogger.start(
             plan.study,
