@@ -98,6 +98,34 @@ def test_local_directory_is_resolved_recorded_and_gets_one_sep_token(tmp_path):
     assert record["hidden_size"] == orig.config.d_model
 
 
+def test_a_tokenizer_saved_padding_left_pads_right_so_a_summary_does_not_depend_on_its_batch(tmp_path):
+    """Training's batches are right-padded (batching.collate) and LED's global attention sits on position 0 as a
+    source token (model._source); the evaluate stage pads sources on the backbone tokenizer's side. A local backbone
+    whose tokenizer was saved padding left (as one prepared for decoder-only generation is) gave BART, whose learned
+    positions count pads, a summary that depends on its batch-mates: decoded alone (no padding, the expectation) and
+    in a batch of 7 it differed. The stage now saves the backbone's tokenizer padding right."""
+    from pipeline.modeling.adapters import AdapterConfig
+    from pipeline.modeling.model import AdapterSummarizer
+    from pipeline.results.evaluation import EvaluateConfig, generate_per_run
+
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    config = json.loads((src / "tokenizer_config.json").read_text()) | {"padding_side": "left"}
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    assert AutoTokenizer.from_pretrained(src).padding_side == "left"
+    bb.resolve(local_cfg(src), "#SEP#", tmp_path / "out", tmp_path / "interim", tmp_path / "r.json", rouge_summary)
+    model = AdapterSummarizer.from_pretrained(tmp_path / "out", AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    generator = torch.Generator().manual_seed(0)  # W_up away from zero: the adapter changes the summaries
+    state = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in model.adapter_state("local").items()}
+    sources = [*tiny_models.WORDS, "short", " and ".join(tiny_models.WORDS[:3])]
+    cfg = {"num_beams": 3, "max_target_length": 10, "min_target_length": 2}
+    summaries = {
+        size: generate_per_run(model, [state], [sources], EvaluateConfig(batch_size=size, **cfg), 64, "t")[0]
+        for size in (1, len(sources))
+    }
+    assert summaries[len(sources)] == summaries[1]
+    assert model.tokenizer.padding_side == "right"
+
+
 def test_content_hash_identifies_the_files_not_the_place(tmp_path):
     a = tiny_models.save_tiny("bart", tmp_path / "a")
     b = tmp_path / "b"

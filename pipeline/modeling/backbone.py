@@ -181,6 +181,7 @@ def resolve(
             }
         )
     sep_id = add_sep_token(model, tokenizer, sep_token)
+    tokenizer.padding_side = "right"  # as training's batches and LED's global token: a saved 'left' shifts positions
     gc = model.generation_config
     if model.config.model_type == "encoder-decoder":
         gc.decoder_start_token_id = tokenizer.cls_token_id
