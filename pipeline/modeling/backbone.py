@@ -137,7 +137,8 @@ def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tupl
         raise DataError(f"{interim}: no records with split == {split!r}")
     pairs = []
     for meeting_id, query, turns, summary in zip(part["meeting_id"], part["query"], part["turns"], part["summary"]):
-        # rendered exactly as the examples stage renders model inputs (SAMSum: no query, dialogue only)
+        # rendered as the examples stage renders model inputs; SAMSum without a query: the warm-up does not read
+        # examples.samsum_query (empty by default, when the two agree exactly)
         source = model_input(query or "", [Turn(t["speaker"], t["content"]) for t in turns], sep_token)
         if source.strip() and str(summary).strip():
             pairs.append((str(meeting_id), source, str(summary).strip()))
