@@ -180,7 +180,14 @@ def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     # Checked here, before any plan is written, although only the train stage builds the model from it.
     check_model_group(params)
     run_settings(params)
-    return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
+    part = from_dict(PartitionConfig, params.get("partition"), "partition")
+    for exp in (experiments := declared(params)):  # its train stage's dep data/partitions/<partition>.json
+        if exp.partition not in {f"{scheme}/seed{seed}" for scheme in part.schemes for seed in part.seeds}:
+            raise ConfigError(
+                f"params.yaml experiments.{exp.name}.partition: {exp.partition!r} is not produced by "
+                f"partition.schemes {part.schemes} x partition.seeds {part.seeds}"
+            )
+    return {exp.name: resolve_plan(exp, params) for exp in experiments}
 
 
 def write_plans(plans: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -364,3 +364,23 @@ def test_a_plan_whose_privacy_is_null_or_empty_reads_as_one_without_privacy(tmp_
     (edited := tmp_path / "edited.json").write_text(json.dumps(raw | {"privacy": privacy}))
     assert read_plan(edited).privacy is None
     assert plan_hash(read_plan(edited)) == plan_hash(read_plan(without))
+
+
+@pytest.mark.parametrize(
+    "changes, name",
+    [  # the partition stage writes data/partitions/<scheme>/seed<k>.json for partition.schemes x partition.seeds only
+        ({"experiments.x": {"method": "fedavg", "partition": "domain/seed1"}}, "x"),
+        ({"partition.seeds": [1], "experiments": {"x": {"method": "fedavg", "partition": "domain/seed01"}}}, "x"),
+        ({"partition.schemes": ["domain", "noniid_balanced", "extreme"]}, "fedavg-iid"),
+    ],
+)
+def test_an_experiment_on_a_partition_no_stage_produces_is_refused_by_the_plan_stage(changes, name):
+    """Its train stage's dep data/partitions/<partition>.json has no producer: dvc repro stops there (after the
+    plan, partitions and backbone), or trains on a stale file a former params left in the workspace."""
+    from pipeline.planning import check_params
+
+    params = _params(**changes)
+    partition = params["experiments"][name]["partition"]
+    with pytest.raises(ConfigError, match=rf"experiments\.{name}\.partition: '{partition}' is not produced") as err:
+        check_params(params)
+    assert "\n" not in str(err.value)
