@@ -180,6 +180,7 @@ def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     # Checked here, before any plan is written, although only the train stage builds the model from it.
     check_model_group(params)
     run_settings(params)
+    train_config({k: v for k, v in group(params, "train").items() if k not in RUN_TRAIN_KEYS}, "params.yaml train")
     part = from_dict(PartitionConfig, params.get("partition"), "partition")
     for exp in (experiments := declared(params)):  # its train stage's dep data/partitions/<partition>.json
         if exp.partition not in {f"{scheme}/seed{seed}" for scheme in part.schemes for seed in part.seeds}:

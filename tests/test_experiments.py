@@ -384,3 +384,24 @@ def test_an_experiment_on_a_partition_no_stage_produces_is_refused_by_the_plan_s
     with pytest.raises(ConfigError, match=rf"experiments\.{name}\.partition: '{partition}' is not produced") as err:
         check_params(params)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, problem",
+    [
+        ("train.lr", "1e-5", "lr: expected a number, got str '1e-5'"),  # YAML 1.1 reads 1e-5 (no dot) as a string
+        ("train.stop", {"enabld": True}, "stop: unknown key(s) ['enabld']"),
+        ("train.fedopt", {"server_lr": 0}, "fedopt.server_lr=0 is out of range"),
+    ],
+)
+def test_a_bad_value_of_params_train_is_named_where_it_is_not_in_an_experiment_that_does_not_set_it(
+    key, value, problem
+):
+    """The value is params.yaml's train group's (no experiment entry sets lr, stop or fedopt): the line names that
+    record, not the first experiment (single-domain), whose entry holds no such key."""
+    from pipeline.planning import check_params
+
+    assert not any(key.split(".")[1] in entry for entry in _params()["experiments"].values())
+    with pytest.raises(ConfigError) as err:
+        check_params(_params(**{key: value}))
+    assert str(err.value).startswith(f"params.yaml train.{problem}") and "\n" not in str(err.value)
