@@ -797,6 +797,8 @@ def test_the_privacy_docs_secagg_threshold_and_client_dp_margin_are_the_params_a
     [  # by hand: max(int(3 x 0.5), 1) = 1 upload a round; 3 x 2**31 = 1.5 x 2**32 wraps the masked sum
         ({"fraction_train": 0.5}, "3 clients x train.fraction_train 0.5 samples 1"),
         ({"privacy": {"secagg": {"quantization_range": 2**31}}}, "quantization_range 2147483648 x 3 clients"),
+        # Flower's secaggplus_mod: 'Available neighbours number smaller than threshold' (3 keys < 4) in every round
+        ({"privacy": {"secagg": {"reconstruction_threshold": 4}}}, "reconstruction_threshold 4 > the 3 clients"),
     ],
 )
 def test_a_secagg_setting_the_plan_knows_cannot_run_is_refused_by_the_plan_stage(tmp_path, capsys, entry, problem):

@@ -116,6 +116,8 @@ def secure_sum_problem(secagg: SecAggConfig, clients: int, first: int, fraction_
             f"privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} clients x "
             f"train.fraction_train {fraction_train} samples {per_round}"
         )
+    if isinstance(t := secagg.reconstruction_threshold, int) and t > per_round:  # Flower's clients refuse the setup
+        return f"privacy.secagg.reconstruction_threshold {t} > the {per_round} clients of a round's sum: none unmasks"
     return wrap_problem(secagg, clients)
 
 
