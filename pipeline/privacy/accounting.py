@@ -126,15 +126,13 @@ def check_client_plans(plans: dict[str, dict]) -> None:
     (resolved, not yet written: the plan stage's and `presets check`'s): they need only the plan's clients (N),
     train.fraction_train and rounds."""
     for plan in plans.values():
-        privacy, clients, t = plan.get("privacy", {}), plan.get("clients", []), plan["train"]
-        n, where = len(clients), f"params.yaml experiments.{plan['experiment']}"
+        clients, t, where = plan.get("clients", []), plan["train"], f"params.yaml experiments.{plan['experiment']}"
+        cfg, n = from_dict(PrivacyConfig, plan.get("privacy", {}), where), len(clients)
         first = len([c for c in clients if c != t.get("new_client")])  # post_addition's new client joins late
-        secagg = from_dict(SecAggConfig, privacy.get("secagg")) if privacy.get("secure_aggregation") else None
-        if secagg and (problem := secure_sum_problem(secagg, n, first, t["fraction_train"])):
+        if cfg.secure_aggregation and (problem := secure_sum_problem(cfg.secagg, n, first, t["fraction_train"])):
             raise ConfigError(f"{where}: {problem}")
-        if privacy.get("mode") == "client":
-            sampled = sampled_per_round(n, t["fraction_train"])
-            federation_privacy(from_dict(PrivacyConfig, privacy, where), n, sampled, t["rounds"], where)
+        if cfg.mode == "client":
+            federation_privacy(cfg, n, sampled_per_round(n, t["fraction_train"]), t["rounds"], where)
 
 
 def server_setting(plan, population: int) -> FederationPrivacy:
