@@ -123,7 +123,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.kd_gate not in GATES:
-        raise ConfigError(f"{where}: train.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
+        at = f"{where}: train" if "kd_gate" in exp.train else "params.yaml train"  # the entry's own, else params'
+        raise ConfigError(f"{at}.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
     model = params.get("model") or {}

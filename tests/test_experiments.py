@@ -392,6 +392,7 @@ def test_an_experiment_on_a_partition_no_stage_produces_is_refused_by_the_plan_s
         ("train.lr", "1e-5", "lr: expected a number, got str '1e-5'"),  # YAML 1.1 reads 1e-5 (no dot) as a string
         ("train.stop", {"enabld": True}, "stop: unknown key(s) ['enabld']"),
         ("train.fedopt", {"server_lr": 0}, "fedopt.server_lr=0 is out of range"),
+        ("train.kd_gate", "entrpy", "kd_gate 'entrpy' is not a KD gate"),  # a registry name: checked by planning
     ],
 )
 def test_a_bad_value_of_params_train_is_named_where_it_is_not_in_an_experiment_that_does_not_set_it(
