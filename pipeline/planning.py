@@ -123,7 +123,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.kd_gate not in GATES:
-        raise ConfigError(f"{where}: train.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
+        at = f"{where}: train" if "kd_gate" in exp.train else "params.yaml train"  # the entry's own, else params'
+        raise ConfigError(f"{at}.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
     model = params.get("model") or {}
@@ -180,7 +181,15 @@ def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     # Checked here, before any plan is written, although only the train stage builds the model from it.
     check_model_group(params)
     run_settings(params)
-    return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
+    train_config({k: v for k, v in group(params, "train").items() if k not in RUN_TRAIN_KEYS}, "params.yaml train")
+    part = from_dict(PartitionConfig, params.get("partition"), "partition")
+    for exp in (experiments := declared(params)):  # its train stage's dep data/partitions/<partition>.json
+        if exp.partition not in {f"{scheme}/seed{seed}" for scheme in part.schemes for seed in part.seeds}:
+            raise ConfigError(
+                f"params.yaml experiments.{exp.name}.partition: {exp.partition!r} is not produced by "
+                f"partition.schemes {part.schemes} x partition.seeds {part.seeds}"
+            )
+    return {exp.name: resolve_plan(exp, params) for exp in experiments}
 
 
 def write_plans(plans: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:

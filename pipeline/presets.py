@@ -77,7 +77,12 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     from pipeline.planning import check_params, parse_entry  # lazy: the other commands start without torch
     from pipeline.privacy.accounting import check_client_plans  # lazy, as planning
 
-    found = []
+    groups = {key.rsplit(".", n)[0] for key in flatten(params) for n in range(1, key.count(".") + 1)}
+    found = [  # YAML null (every key commented out) would replace params.yaml's group whole: its defaults planned
+        f"{key}: null where params.yaml has a mapping (every key commented out?); name its keys or leave it out"
+        for key, value in flatten(preset, whole=REPLACED_WHOLE).items()
+        if value is None and key in groups
+    ]
     try:
         applied = apply_preset(params, preset)
     except InvalidArgumentError:

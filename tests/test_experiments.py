@@ -364,3 +364,45 @@ def test_a_plan_whose_privacy_is_null_or_empty_reads_as_one_without_privacy(tmp_
     (edited := tmp_path / "edited.json").write_text(json.dumps(raw | {"privacy": privacy}))
     assert read_plan(edited).privacy is None
     assert plan_hash(read_plan(edited)) == plan_hash(read_plan(without))
+
+
+@pytest.mark.parametrize(
+    "changes, name",
+    [  # the partition stage writes data/partitions/<scheme>/seed<k>.json for partition.schemes x partition.seeds only
+        ({"experiments.x": {"method": "fedavg", "partition": "domain/seed1"}}, "x"),
+        ({"partition.seeds": [1], "experiments": {"x": {"method": "fedavg", "partition": "domain/seed01"}}}, "x"),
+        ({"partition.schemes": ["domain", "noniid_balanced", "extreme"]}, "fedavg-iid"),
+    ],
+)
+def test_an_experiment_on_a_partition_no_stage_produces_is_refused_by_the_plan_stage(changes, name):
+    """Its train stage's dep data/partitions/<partition>.json has no producer: dvc repro stops there (after the
+    plan, partitions and backbone), or trains on a stale file a former params left in the workspace."""
+    from pipeline.planning import check_params
+
+    params = _params(**changes)
+    partition = params["experiments"][name]["partition"]
+    with pytest.raises(ConfigError, match=rf"experiments\.{name}\.partition: '{partition}' is not produced") as err:
+        check_params(params)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, problem",
+    [
+        ("train.lr", "1e-5", "lr: expected a number, got str '1e-5'"),  # YAML 1.1 reads 1e-5 (no dot) as a string
+        ("train.stop", {"enabld": True}, "stop: unknown key(s) ['enabld']"),
+        ("train.fedopt", {"server_lr": 0}, "fedopt.server_lr=0 is out of range"),
+        ("train.kd_gate", "entrpy", "kd_gate 'entrpy' is not a KD gate"),  # a registry name: checked by planning
+    ],
+)
+def test_a_bad_value_of_params_train_is_named_where_it_is_not_in_an_experiment_that_does_not_set_it(
+    key, value, problem
+):
+    """The value is params.yaml's train group's (no experiment entry sets lr, stop or fedopt): the line names that
+    record, not the first experiment (single-domain), whose entry holds no such key."""
+    from pipeline.planning import check_params
+
+    assert not any(key.split(".")[1] in entry for entry in _params()["experiments"].values())
+    with pytest.raises(ConfigError) as err:
+        check_params(_params(**{key: value}))
+    assert str(err.value).startswith(f"params.yaml train.{problem}") and "\n" not in str(err.value)

@@ -148,6 +148,16 @@ def test_shape_mismatches_and_duplicates_are_errors(tmp_path):
         pr.load_preset(write(tmp_path, "- a\n- b\n"))
 
 
+@pytest.mark.parametrize("group", ["train", "privacy", "evaluate", "experiments"])
+def test_a_group_left_with_every_key_commented_out_is_a_problem_not_a_silent_reset(tmp_path, group):
+    """'train:' with its keys commented out is YAML null: DVC's --set-param train=null replaced params.yaml's whole
+    group (the plan stage reads a null group as every default), while the preset names none of its keys."""
+    preset = pr.load_preset(write(tmp_path, f"tau: 4.0\n{group}:\n  # rounds: 5\n"))
+    assert preset == {"tau": 4.0, group: None}
+    bad = pr.problems(preset, PARAMS)
+    assert len(bad) == 1 and bad[0].startswith(f"{group}: null where params.yaml has a mapping") and "\n" not in bad[0]
+
+
 def test_experiment_entries_are_checked_by_the_plan_rules():
     ok = {"method": "fedavg", "partition": "domain/seed0", "seed": 0, "study": "main"}
     assert pr.problems({"experiments": {"x": ok}}, PARAMS) == []

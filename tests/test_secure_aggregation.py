@@ -790,3 +790,35 @@ def test_the_privacy_docs_secagg_threshold_and_client_dp_margin_are_the_params_a
     d = {r["shape"].split(" ")[0]: r["adapter_params"] for r in rows}
     margin = {k: math.sqrt(v) * (2 * c / q + 10 * u * c) for k, v in d.items()}
     assert f"(C' - C is about {margin['default']:.3f} for the default adapters, {margin['bart-base']:.3f} for" in text
+
+
+@pytest.mark.parametrize(
+    "entry, problem",
+    [  # by hand: max(int(3 x 0.5), 1) = 1 upload a round; 3 x 2**31 = 1.5 x 2**32 wraps the masked sum
+        ({"fraction_train": 0.5}, "3 clients x train.fraction_train 0.5 samples 1"),
+        ({"privacy": {"secagg": {"quantization_range": 2**31}}}, "quantization_range 2147483648 x 3 clients"),
+        # Flower's secaggplus_mod: 'Available neighbours number smaller than threshold' (3 keys < 4) in every round
+        ({"privacy": {"secagg": {"reconstruction_threshold": 4}}}, "reconstruction_threshold 4 > the 3 clients"),
+    ],
+)
+def test_a_secagg_setting_the_plan_knows_cannot_run_is_refused_by_the_plan_stage(tmp_path, capsys, entry, problem):
+    """The plan holds the clients (N = 3 on domain) and train.fraction_train: a SecAgg+ round of one upload, or a
+    modulus N x Q cannot hold, is refused before any plan is written, not after dvc repro reached its train stage."""
+    import yaml
+
+    from pipeline.common.cli import run as run_cli
+    from pipeline.plan import main as plan_main
+
+    privacy, entry = (
+        {"secure_aggregation": True} | entry.get("privacy", {}),
+        {k: v for k, v in entry.items() if k != "privacy"},
+    )
+    params = _params(None) | {
+        "experiments": {"sa": {"method": "fedavg", "partition": "domain/seed0", "privacy": privacy}}
+    }
+    params["experiments"]["sa"] |= entry
+    (path := tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    assert run_cli(plan_main, ["--params", str(path), "--out", str(tmp_path / "plans")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "experiments.sa" in err and problem in err and "\n" not in err
+    assert not (tmp_path / "plans").exists()

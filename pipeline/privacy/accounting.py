@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.experiments.privacy import DEFAULT_DELTA, PrivacyConfig
+from pipeline.experiments.privacy import DEFAULT_DELTA, PrivacyConfig, SecAggConfig, wrap_problem
 
 
 @lru_cache(maxsize=256)
@@ -109,14 +109,30 @@ def sampled_per_round(population: int, fraction_train: float) -> int:
     return max(int(population * fraction_train), 1)
 
 
+def secure_sum_problem(secagg: SecAggConfig, clients: int, first: int, fraction_train: float) -> str | None:
+    """Why SecAgg+ cannot run over ``clients`` (``first`` from round 1): a sum of one upload, or one wrapping around."""
+    if (per_round := sampled_per_round(first, fraction_train)) < 2:
+        return (
+            f"privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} clients x "
+            f"train.fraction_train {fraction_train} samples {per_round}"
+        )
+    if isinstance(t := secagg.reconstruction_threshold, int) and t > per_round:  # Flower's clients refuse the setup
+        return f"privacy.secagg.reconstruction_threshold {t} > the {per_round} clients of a round's sum: none unmasks"
+    return wrap_problem(secagg, clients)
+
+
 def check_client_plans(plans: dict[str, dict]) -> None:
-    """:func:`federation_privacy` of each privacy.mode client plan (resolved, not yet written: the plan stage's and
-    `presets check`'s): it needs only the plan's clients (N), train.fraction_train and rounds."""
+    """:func:`federation_privacy` of each privacy.mode client plan and :func:`secure_sum_problem` of each SecAgg+ plan
+    (resolved, not yet written: the plan stage's and `presets check`'s): they need only the plan's clients (N),
+    train.fraction_train and rounds."""
     for plan in plans.values():
-        if (privacy := plan.get("privacy", {})).get("mode") == "client":
-            n, where = len(plan["clients"]), f"params.yaml experiments.{plan['experiment']}"
-            rounds, sampled = plan["train"]["rounds"], sampled_per_round(n, plan["train"]["fraction_train"])
-            federation_privacy(from_dict(PrivacyConfig, privacy, where), n, sampled, rounds, where)
+        clients, t, where = plan.get("clients", []), plan["train"], f"params.yaml experiments.{plan['experiment']}"
+        cfg, n = from_dict(PrivacyConfig, plan.get("privacy", {}), where), len(clients)
+        first = len([c for c in clients if c != t.get("new_client")])  # post_addition's new client joins late
+        if cfg.secure_aggregation and (problem := secure_sum_problem(cfg.secagg, n, first, t["fraction_train"])):
+            raise ConfigError(f"{where}: {problem}")
+        if cfg.mode == "client":
+            federation_privacy(cfg, n, sampled_per_round(n, t["fraction_train"]), t["rounds"], where)
 
 
 def server_setting(plan, population: int) -> FederationPrivacy:

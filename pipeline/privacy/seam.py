@@ -17,7 +17,7 @@ from flwr.client.mod import make_ffn
 from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.federation.protocol import DP_METRICS, load_plan, plan_path_of
-from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
+from pipeline.privacy.accounting import client_privacy, secure_sum_problem, server_setting
 from pipeline.privacy.client_dp import ClientLevelDP, client_dp_mod
 from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit, legacy_fit, secure_aggregation_mod
@@ -75,13 +75,9 @@ def secure_aggregator(
     if refusal is not None:  # a plan file written by hand: the plan stage refuses it already
         raise ValueError(f"{plan.source or plan.experiment}: privacy.secure_aggregation: {refusal}")
     first = len([c for c in clients if c != late])
-    per_round = sampled_per_round(first, plan.train.fraction_train)  # Flower's sample size
-    try:  # a params value SecAgg+ cannot run with (the plan stage does not know the clients): one line, exit 2
-        if per_round < 2:
-            raise ValueError(
-                f"privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} "
-                f"clients x train.fraction_train {plan.train.fraction_train} samples {per_round}"
-            )
+    try:  # a plan file written by hand (the plan stage refuses these already): one line, exit 2
+        if problem := secure_sum_problem(plan.privacy.secagg, len(clients), first, plan.train.fraction_train):
+            raise ValueError(problem)
         if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
             return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
         # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):

@@ -26,7 +26,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
-from pipeline.experiments.privacy import SECAGG_MODULUS, SecAggConfig
+from pipeline.experiments.privacy import SECAGG_MODULUS, SecAggConfig, wrap_problem
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     CLIPPED_KEY,
@@ -224,11 +224,8 @@ class SecureAggregator:
     def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float, clipped_bits: bool = False):
         self.cfg, self.clipped_bits, self.timeout = cfg, clipped_bits, timeout
         self.scale = weight_scale(cfg, max_weight)
-        if clients * cfg.quantization_range >= SECAGG_MODULUS:
-            raise ValueError(
-                f"privacy.secagg.quantization_range {cfg.quantization_range} x {clients} clients "
-                f">= 2**32: the masked sum would wrap around; lower it below {SECAGG_MODULUS // clients}"
-            )
+        if problem := wrap_problem(cfg, clients):
+            raise ValueError(problem)
 
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
         run_id, offers = grid.run.run_id, []
