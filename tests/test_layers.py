@@ -198,9 +198,17 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # +9 for the last round's five (adaptive server optimisers' Flower defaults, decoding lengths at the backbone stage,
 # the run-wide privacy values under their own MLflow keys, a pending LoggedModel reused, a stale git tag removed);
 # +2 for the CA path's TOML escaping written with config.toml's spacing (the formatter splits the line).
-# -7 in size round 15 (results: a dead owner's run ended by end_if_running; per-example rows from the subsample;
-# an evaluation record's table scores computed once).
-PACKAGE_LINE_CEILING = 14_833
+# Raised to 14,902 by the fifteenth session: -51 from structure (four helpers, one an area: Plan's cached properties,
+# LossSettings shared by TrainConfig and KDConfig, one fused-loss temperature path, one block stacker, one reply
+# matcher, the DP-SGD wire table, mean_interval's paired tail, Interval.n_examples dropped, ...; outputs identical),
+# +113 for about 35 defects its reviewers found and fixed with their checks: +34 for settings refused at the plan
+# stage instead of failing in training (SecAgg+ with fewer than 2 clients a round, a modulus or threshold the
+# federation cannot meet, a partition no stage produces, params.yaml's train group named as itself, a preset group
+# left null), +19 for deployment (the lossy downlink as every strategy's base, an evaluation timeout recorded, a
+# restarted --auth node of another plan refused, failed evaluations logged), the rest the stop rule's one round
+# mean, client-level DP's round-1 redo, analyses under the margin gate, hard KD against SelectKD on shared seeds,
+# the case study's seed, the round-budget marks, FedAvgM's reference under a lossy downlink, a tokenizer's padding.
+PACKAGE_LINE_CEILING = 14_902
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
