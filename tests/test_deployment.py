@@ -828,17 +828,12 @@ def test_the_federated_evaluation_scores_only_the_clients_the_plan_declares(ws):
     assert fed["mean"]["avg_rouge"] == pytest.approx((30.0 + 20.0 + 10.0) / 3)
 
 
-def test_a_declared_client_without_a_score_is_named_in_the_federated_evaluation(ws):
-    """Committee's SuperNode is gone at the final evaluation (the SuperLink lists no node for it): metrics.json's client
-    average is over Academic and Product, and it names Committee as skipped with why, as the evaluate stage names a
-    client it has no score of, instead of leaving it out of every field."""
+def _scoring_app():
+    """A ClientApp whose every client answers query.summarize with 10 for each score over 4 test examples."""
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    from pipeline.federation.deployment import federated_evaluate
-    from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.protocol import load_plan
-    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+    from pipeline.results.evaluation import SCORE_KEYS
 
     app = ClientApp()
 
@@ -847,6 +842,21 @@ def test_a_declared_client_without_a_score_is_named_in_the_federated_evaluation(
         metrics = MetricRecord({k: 10.0 for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0})
         identity = ConfigRecord({"client-name": context.node_config["client-name"]})
         return Message(RecordDict({"identity": identity, "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+def test_a_declared_client_without_a_score_is_named_in_the_federated_evaluation(ws):
+    """Committee's SuperNode is gone at the final evaluation (the SuperLink lists no node for it): metrics.json's client
+    average is over Academic and Product, and it names Committee as skipped with why, as the evaluate stage names a
+    client it has no score of, instead of leaving it out of every field."""
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import EvaluateConfig
+
+    app = _scoring_app()
 
     path = write_plan("dep-gone-at-eval", "fedavg")
     plan = load_plan(path)
@@ -863,22 +873,13 @@ def test_a_declared_client_without_a_score_is_named_in_the_evaluation_every_n_ro
     of leaving it out of every field (failed_clients names nodes asked, and a gone node is not asked)."""
     from types import SimpleNamespace
 
-    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-
     from pipeline.federation import deployment
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.protocol import load_plan
     from pipeline.paths import PATHS
-    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+    from pipeline.results.evaluation import EvaluateConfig
 
-    app = ClientApp()
-
-    @app.query("summarize")
-    def summarize(msg, context):
-        metrics = MetricRecord({k: 10.0 for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0})
-        identity = ConfigRecord({"client-name": context.node_config["client-name"]})
-        return Message(RecordDict({"identity": identity, "metrics": metrics}), reply_to=msg)
+    app = _scoring_app()
 
     path = write_plan("dep-gone-every", "fedavg", rounds=2)
     plan = load_plan(path)
@@ -898,22 +899,13 @@ def test_a_federated_evaluation_reply_that_never_came_is_logged_naming_the_clien
     others (whose mean stands as the client average)."""
     import logging
 
-    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-
     from pipeline.federation.deployment import federated_evaluate
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.protocol import load_plan
-    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+    from pipeline.results.evaluation import EvaluateConfig
     from tests.errors import logs
 
-    app = ClientApp()
-
-    @app.query("summarize")
-    def summarize(msg, context):
-        metrics = MetricRecord({k: 10.0 for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0})
-        identity = ConfigRecord({"client-name": context.node_config["client-name"]})
-        return Message(RecordDict({"identity": identity, "metrics": metrics}), reply_to=msg)
+    app = _scoring_app()
 
     class SilentCommittee(InProcessGrid):
         def send_and_receive(self, messages, *, timeout=None):
