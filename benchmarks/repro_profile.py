@@ -134,7 +134,7 @@ def markdown(result: dict) -> str:
             a, b = sides["baseline"][part], sides["candidate"][part]
             lines.append(
                 f"| {name} | {part} | {a:.2f} | {b:.2f} | {b / a:.2f} |"
-                if a
+                if a > 0 and b >= 0  # a ratio of residuals below zero (rounding) would invert its reading
                 else f"| {name} | {part} | {a:.2f} | {b:.2f} | - |"
             )
     return "\n".join(lines) + "\n"

@@ -253,3 +253,14 @@ def test_the_committed_repro_profile_is_the_rendering_of_its_json():
 
     bench = Path(__file__).resolve().parents[1] / "reports/bench"
     assert (bench / "repro.md").read_text() == rp.markdown(json.loads((bench / "repro.json").read_text()))
+
+
+def test_repro_profile_gives_no_ratio_of_negative_residuals():
+    # exit_seconds is a residual (wall - startup - work) and comes out negative when the records' rounding exceeds
+    # the exit; candidate -0.02 s against baseline -0.04 s is the later exit, yet -0.02 / -0.04 = 0.5 reads "faster".
+    from benchmarks import repro_profile as rp
+
+    sides = {"baseline": {"exit_seconds": -0.04}, "candidate": {"exit_seconds": -0.02}}
+    result = {"baseline": "b", "candidate": "c", "repeats": 1, "machine": "m", "measured_at": "t"}
+    rows = [r for r in rp.markdown({**result, "stages": {"postag": sides}}).splitlines() if r.startswith("| postag")]
+    assert rows == ["| postag | exit_seconds | -0.04 | -0.02 | - |"]
