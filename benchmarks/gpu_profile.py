@@ -141,6 +141,14 @@ def _top_ops(prof, key: str, n: int = TOP) -> list[dict[str, Any]]:
     ]
 
 
+def device_busy_seconds(events) -> float:
+    """Kernels' summed time: an operator's row repeats its kernels' time and user annotations span them (as in
+    torch's own table total, ``profiler_util._build_table``), so only device rows that are not annotations count."""
+    return (
+        sum(e.self_device_time_total for e in events if e.device_type.name != "CPU" and not e.is_user_annotation) / 1e6
+    )
+
+
 def _torch_profiled(fn, device_ok: bool) -> dict[str, Any]:
     """Wall seconds of ``fn()`` under torch.profiler; its top operations and the device's busy time."""
     from torch.profiler import ProfilerActivity, profile
@@ -152,7 +160,7 @@ def _torch_profiled(fn, device_ok: bool) -> dict[str, Any]:
         cuda_sync()
         wall = time.perf_counter() - t
     events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e6
+    busy = device_busy_seconds(events)
     return {
         "wall_s": round(wall, 3),
         "device_busy_s": round(busy, 3),

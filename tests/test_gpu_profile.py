@@ -173,3 +173,24 @@ def test_engine_measure_runs_end_to_end_on_cpu(tmp_path, qmsum):
     # on this CPU (float32) a run trains in the set exactly as alone
     assert data["max_abs_adapter_diff"] < 1e-5 and data["same_rounds"]
     assert data["steps"]["together"]["client_rounds_per_group"] > data["steps"]["alone"]["client_rounds_per_group"]
+
+
+def test_device_busy_time_counts_each_kernel_once():
+    # Under kineto an operator's row carries its kernels' device time as its own, and the kernel has a row too
+    # (profile.json: aten::_efficient_attention_forward 7.25 ms and its fmha kernel 7.25 ms); user annotations
+    # (Optimizer.step) span kernels as well. The device was busy for the kernels' time alone: 7.25 + 2.65 ms.
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def row(us, device, annotation=False):
+        return SimpleNamespace(self_device_time_total=us, device_type=device, is_user_annotation=annotation)
+
+    events = [
+        row(7250.0, DeviceType.CPU),  # aten::_efficient_attention_forward
+        row(7250.0, DeviceType.CUDA),  # fmha_cutlassF kernel
+        row(2650.0, DeviceType.CPU),  # aten::max
+        row(2650.0, DeviceType.CUDA),  # reduce_kernel
+        row(7150.0, DeviceType.CUDA, annotation=True),  # Optimizer.step#AdamW.step
+    ]
+    assert gpu_profile.device_busy_seconds(events) == pytest.approx(0.0099)
