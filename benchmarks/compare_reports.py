@@ -23,9 +23,9 @@ from typing import Any
 import pandas as pd
 
 # Keys and files whose values are measurements of a run, not results.
-VOLATILE_KEY = re.compile(
-    r"second|time|rss|peak|wall|written|commit|date|duration|per_second|_mb$|mib|elapsed"
-    r"|speed|throughput|host|python|platform|cpu",
+VOLATILE_KEY = re.compile(  # whole words (plural too): "Committee", "avg_speakers", "word_updates" are results
+    r"(?<![a-z])(second|time|rss|peak|wall|written|commit|date|duration|mb|mib|elapsed"
+    r"|speed|speedup|throughput|host|python|platform|cpu)s?(?![a-z])",
     re.I,
 )
 VOLATILE_FILE = re.compile(r"^reports/(timing/|tables/timing\.|bench/|mlflow/|mutation|reliability)|\.png$")

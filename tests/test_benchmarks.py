@@ -264,3 +264,20 @@ def test_repro_profile_gives_no_ratio_of_negative_residuals():
     result = {"baseline": "b", "candidate": "c", "repeats": 1, "machine": "m", "measured_at": "t"}
     rows = [r for r in rp.markdown({**result, "stages": {"postag": sides}}).splitlines() if r.startswith("| postag")]
     assert rows == ["| postag | exit_seconds | -0.04 | -0.02 | - |"]
+
+
+def test_compare_reports_masks_measurement_keys_not_results_that_contain_their_letters():
+    # VOLATILE_KEY matched substrings: "Committee" (commit), "avg_speakers" (peak), "word_updates" (date) were left
+    # out of every comparison, so a refactor that moved the Committee client's losses passed as "no result changed".
+    from benchmarks.compare_reports import diff_csv, diff_json
+
+    old = {"Committee/val_loss": 1.0, "avg_speakers": 4.0, "round1_update_norms": [0.5], "seconds": 3.0}
+    new = {"Committee/val_loss": 2.0, "avg_speakers": 5.0, "round1_update_norms": [0.6], "seconds": 9.0}
+    assert diff_json(old, new, 1e-6) == [
+        ".Committee/val_loss: 1.0 -> 2.0",
+        ".avg_speakers: 4.0 -> 5.0",
+        ".round1_update_norms[0]: 0.5 -> 0.6",
+    ]  # the wall time alone is a measurement
+    assert diff_csv("client,Committee,peak_rss_mb\na,1.0,10\n", "client,Committee,peak_rss_mb\na,2.0,20\n", 1e-6) == [
+        "row 0 Committee: 1.0 -> 2.0"
+    ]
