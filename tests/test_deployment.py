@@ -548,7 +548,7 @@ cli.main(["local", "--plan", "p.json"])
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("signals", [["SIGHUP"]])
+@pytest.mark.parametrize("signals", [["SIGHUP"], ["SIGTERM", "SIGTERM"], ["SIGINT", "SIGHUP"]])
 def test_the_local_command_stops_its_processes_on_a_hangup_and_a_second_signal_during_cleanup(tmp_path, signals):
     """docs/federation.md: the local command stops every process it started (also on Ctrl-C). Its processes run in
     their own sessions, so a closed terminal or ssh session (SIGHUP) reaches only the command; and a second SIGTERM
