@@ -48,6 +48,8 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
 
     if Path(plan_path).is_absolute() or ".." in Path(plan_path).parts:  # laid out under ``out`` at its own path
         raise ConfigError(f"--plan {plan_path}: give the plan's path relative to the project root, inside it")
+    if out.is_file() or out.resolve() == Path.cwd().resolve():  # mkdir's traceback, or the plan copied onto itself
+        raise ConfigError(f"--out {out}: {'a file' if out.is_file() else 'the project root itself'}; give a folder")
     plan = read_plan(plan_path)
     if not plan.clients:
         raise DataError(
