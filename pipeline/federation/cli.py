@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
     given = {f.name: getattr(args, f.name) for f in fields(LocalhostConfig) if getattr(args, f.name, None) is not None}
-    cfg = LocalhostConfig(**given | {"plan": plan, "run_config": _parse_run_config(args.run_config)})
+    if "plan" in (run_config := _parse_run_config(args.run_config)):  # the ServerApp's plan would win, not the nodes'
+        raise ConfigError("--run-config 'plan': give the plan as --plan or --experiment (the SuperNodes serve it too)")
+    cfg = LocalhostConfig(**given | {"plan": plan, "run_config": run_config})
     # Ctrl-C / SIGTERM / SIGHUP (a closed terminal) unwind through LocalhostFederation.__exit__ (stops its processes)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)  # raises KeyboardInterrupt
