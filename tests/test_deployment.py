@@ -583,6 +583,34 @@ def test_the_local_command_stops_its_processes_on_a_hangup_and_a_second_signal_d
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.timeout(60)
+def test_a_stream_that_stops_on_an_error_leaves_no_thread_traceback(tmp_path, monkeypatch, capsys):
+    """The run's output is pumped by a thread into its log; a stream that raised (run timeout, the SuperLink gone,
+    Ctrl-C) closed the log while `flwr run` kept printing until stopped: the thread died with 'ValueError: I/O
+    operation on closed file', a traceback printed beside the one-line error."""
+    import threading
+
+    from pipeline.federation import localhost, processes
+    from pipeline.federation.processes import FederationError
+
+    died: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    group = processes.ProcessGroup(tmp_path / "logs", {"PATH": "/usr/bin:/bin"}, stop_timeout_s=2)
+    printing = "import time\nwhile True: print('round', flush=True); time.sleep(0.01)"
+    run = group.start("flwr-run", [sys.executable, "-c", printing], tmp_path, capture=True)
+    fed = object.__new__(localhost.LocalhostFederation)  # only what stream() reads
+    fed.cfg, fed.superlink = localhost.LocalhostConfig(plan="p.json", run_timeout_s=1), None
+    monkeypatch.setattr(fed, "_resume_hint", lambda: "no round was checkpointed", raising=False)
+    try:
+        with pytest.raises(FederationError, match="did not finish within 1s"):
+            fed.stream(run)
+        time.sleep(0.5)  # the process still prints, as `flwr run` does until LocalhostFederation.__exit__
+    finally:
+        group.stop_all()
+    capsys.readouterr()
+    assert died == []
+
+
 def test_xdist_keeps_a_group_on_one_worker(tmp_path):
     """The groups above only hold if `--dist loadgroup` honours xdist_group marks (pytest 9.2 with xdist 3.8 silently
     did not: pytest-dev/pytest-xdist#1386); six grouped tests among six others all run on one worker."""
