@@ -528,6 +528,89 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
         assert not psutil.pid_exists(c) or psutil.Process(c).status() == psutil.STATUS_ZOMBIE
 
 
+_SIGNALLED_LOCAL_COMMAND = """
+import os, sys, time
+from pathlib import Path
+from pipeline.federation import cli, processes
+
+def run_localhost(cfg):  # stands in for the deployment: two processes that ignore SIGTERM, as a stuck SuperNode may
+    group = processes.ProcessGroup(Path(sys.argv[1]), dict(os.environ), stop_timeout_s=3)
+    pids = [group.start(n, ["sh", "-c", "trap '' TERM; exec sleep 120"], Path.cwd()).popen.pid for n in "ab"]
+    Path(sys.argv[1], "pids").write_text(" ".join(map(str, pids)))
+    try:
+        time.sleep(60)
+    finally:  # as LocalhostFederation.__exit__
+        group.stop_all()
+
+cli.run_localhost = run_localhost
+cli.main(["local", "--plan", "p.json"])
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signals", [["SIGHUP"], ["SIGTERM", "SIGTERM"], ["SIGINT", "SIGHUP"]])
+def test_the_local_command_stops_its_processes_on_a_hangup_and_a_second_signal_during_cleanup(tmp_path, signals):
+    """docs/federation.md: the local command stops every process it started (also on Ctrl-C). Its processes run in
+    their own sessions, so a closed terminal or ssh session (SIGHUP) reaches only the command; and a second SIGTERM
+    or SIGHUP while it stops them (stop_all ignores only a second SIGINT) must not cut the cleanup short."""
+    import contextlib
+
+    import psutil
+
+    script, logs = tmp_path / "local.py", tmp_path / "logs"
+    script.write_text(_SIGNALLED_LOCAL_COMMAND)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout's pipeline, not the one installed in the venv
+    command = subprocess.Popen(
+        [sys.executable, str(script), str(logs)], cwd=tmp_path, env=env, stderr=subprocess.DEVNULL
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (logs / "pids").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(p) for p in (logs / "pids").read_text().split()]
+        for sig in signals:
+            command.send_signal(getattr(signal, sig))
+            time.sleep(1)
+        command.wait(timeout=30)
+        time.sleep(0.5)
+        left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert left == [], f"{signals}: processes left running: {left}"
+    finally:
+        command.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_that_stops_on_an_error_leaves_no_thread_traceback(tmp_path, monkeypatch, capsys):
+    """The run's output is pumped by a thread into its log; a stream that raised (run timeout, the SuperLink gone,
+    Ctrl-C) closed the log while `flwr run` kept printing until stopped: the thread died with 'ValueError: I/O
+    operation on closed file', a traceback printed beside the one-line error."""
+    import threading
+
+    from pipeline.federation import localhost, processes
+    from pipeline.federation.processes import FederationError
+
+    died: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    group = processes.ProcessGroup(tmp_path / "logs", {"PATH": "/usr/bin:/bin"}, stop_timeout_s=2)
+    printing = "import time\nwhile True: print('round', flush=True); time.sleep(0.01)"
+    run = group.start("flwr-run", [sys.executable, "-c", printing], tmp_path, capture=True)
+    fed = object.__new__(localhost.LocalhostFederation)  # only what stream() reads
+    fed.cfg, fed.superlink = localhost.LocalhostConfig(plan="p.json", run_timeout_s=1), None
+    monkeypatch.setattr(fed, "_resume_hint", lambda: "no round was checkpointed", raising=False)
+    try:
+        with pytest.raises(FederationError, match="did not finish within 1s"):
+            fed.stream(run)
+        time.sleep(0.5)  # the process still prints, as `flwr run` does until LocalhostFederation.__exit__
+    finally:
+        group.stop_all()
+    capsys.readouterr()
+    assert died == []
+
+
 def test_xdist_keeps_a_group_on_one_worker(tmp_path):
     """The groups above only hold if `--dist loadgroup` honours xdist_group marks (pytest 9.2 with xdist 3.8 silently
     did not: pytest-dev/pytest-xdist#1386); six grouped tests among six others all run on one worker."""

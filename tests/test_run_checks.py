@@ -383,3 +383,14 @@ def test_the_local_ca_and_certificate_outlive_the_run_timeout(ws, monkeypatch):
     fed = localhost.LocalhostFederation(localhost.LocalhostConfig(plan, tls=True, run_timeout_s=5 * 86400))
     for cert in (fed.certificates.ca, fed.certificates.cert):
         assert ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(str(cert))["notAfter"]) >= end
+
+
+def test_a_plan_in_the_run_config_of_the_local_command_is_refused_not_served_to_the_server_alone(monkeypatch, capsys):
+    """The local command starts the SuperNodes on --plan / --experiment's plan and sends the ServerApp
+    {plan: that, **--run-config}: a --run-config plan=... reached the ServerApp alone, which then refused every
+    SuperNode as serving another plan and failed only after the admission timeout (600 s by default)."""
+    monkeypatch.setattr(cli, "run_localhost", lambda cfg: pytest.fail(f"started with {cfg.run_config}"))
+    argv = ["local", "--experiment", "fedavg-domain", "--run-config", "plan='models/plans/fedkd-domain.json'"]
+    status = run_cli(cli.main, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "--run-config 'plan'" in err[0] and "--plan" in err[0], err

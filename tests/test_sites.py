@@ -133,3 +133,18 @@ def test_a_kit_of_a_plan_named_by_its_absolute_path_is_refused_in_one_line(ws, t
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and given in err[0] and "relative" in err[0]
     assert Path(plan).read_bytes() == before and not list(tmp_path.iterdir())
+
+
+def test_a_kit_out_that_is_a_file_or_the_project_root_is_refused_in_one_line(ws, tmp_path, capsys):
+    """--out is the folder the role's copies go to: an existing file there ended in NotADirectoryError, and the
+    project root itself ('--out .') in shutil.SameFileError (the plan copied onto itself), each a traceback."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.federation.cli import main
+
+    plan = write_plan("kit-out", "fedavg", rounds=1)
+    (a_file := tmp_path / "kit.txt").write_text("x")
+    for out, client in [(str(a_file), []), (".", []), (str(Path.cwd()), ["--client", "Product"])]:
+        assert run_cli(main, ["kit", "--plan", plan, *client, "--out", out]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--out {out}" in err[0]
+    assert a_file.read_text() == "x"

@@ -48,6 +48,8 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
 
     if Path(plan_path).is_absolute() or ".." in Path(plan_path).parts:  # laid out under ``out`` at its own path
         raise ConfigError(f"--plan {plan_path}: give the plan's path relative to the project root, inside it")
+    if out.is_file() or out.resolve() == Path.cwd().resolve():  # mkdir's traceback, or the plan copied onto itself
+        raise ConfigError(f"--out {out}: {'a file' if out.is_file() else 'the project root itself'}; give a folder")
     plan = read_plan(plan_path)
     if not plan.clients:
         raise DataError(
@@ -128,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
     given = {f.name: getattr(args, f.name) for f in fields(LocalhostConfig) if getattr(args, f.name, None) is not None}
-    cfg = LocalhostConfig(**given | {"plan": plan, "run_config": _parse_run_config(args.run_config)})
-    # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    if "plan" in (run_config := _parse_run_config(args.run_config)):  # the ServerApp's plan would win, not the nodes'
+        raise ConfigError("--run-config 'plan': give the plan as --plan or --experiment (the SuperNodes serve it too)")
+    cfg = LocalhostConfig(**given | {"plan": plan, "run_config": run_config})
+    # Ctrl-C / SIGTERM / SIGHUP (a closed terminal) unwind through LocalhostFederation.__exit__ (stops its processes)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
         run, metrics = run_localhost(cfg)
     except KeyboardInterrupt:

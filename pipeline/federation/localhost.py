@@ -243,11 +243,12 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         lines: list[str] = []
         with open(run.log, "a", encoding="utf-8") as log:
 
-            def pump() -> None:
-                for line in (raw.decode(errors="replace") for raw in run.popen.stdout):
-                    lines.append(line)
-                    print(line, end="", file=log, flush=True)
-                    print(line, end="", flush=True)
+            def pump() -> None:  # ends quietly when the log is closed: the stream ended or raised (Ctrl-C, a timeout)
+                with contextlib.suppress(ValueError):  # "I/O operation on closed file": a thread's traceback before
+                    for line in (raw.decode(errors="replace") for raw in run.popen.stdout):
+                        lines.append(line)
+                        print(line, end="", file=log, flush=True)
+                        print(line, end="", flush=True)
 
             (reader := threading.Thread(target=pump, daemon=True)).start()
             deadline = time.monotonic() + self.cfg.run_timeout_s

@@ -73,15 +73,16 @@ class ProcessGroup:
             proc.popen.wait(timeout=self.stop_timeout_s)
 
     def stop_all(self) -> None:
-        # A second Ctrl-C must not cut the cleanup short and leave servers running.
+        # A second Ctrl-C (or SIGTERM / SIGHUP: the local command's Ctrl-C too) must not cut the cleanup short.
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if main else ()
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in stops}
         try:
             for proc in reversed(self.procs):
                 self.stop(proc)
         finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             atexit.unregister(self.stop_all)
 
 
