@@ -208,7 +208,9 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # restarted --auth node of another plan refused, failed evaluations logged), the rest the stop rule's one round
 # mean, client-level DP's round-1 redo, analyses under the margin gate, hard KD against SelectKD on shared seeds,
 # the case study's seed, the round-budget marks, FedAvgM's reference under a lossy downlink, a tokenizer's padding.
-PACKAGE_LINE_CEILING = 14_902
+# +7 for the site tools' last round (a hangup and a second signal stop every process the local command started, a
+# bad kit --out and a plan in --run-config refused in one line, no thread traceback beside the error line).
+PACKAGE_LINE_CEILING = 14_909
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
