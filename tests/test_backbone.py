@@ -231,6 +231,41 @@ def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     assert saved["encoder"]["_name_or_path"] == saved["decoder"]["_name_or_path"] == cfg.name
 
 
+def test_the_backbone_evaluation_scores_each_summary_against_its_own_reference():
+    # The slow recipe test checks only 0 <= ROUGE <= 100. evaluate_summarizer generates in length order (b, c, a at
+    # batch 2) and must hand the scorer each prediction beside its own reference, in the pairs' order. An echo model
+    # summarises a source as itself, so the predictions must be the sources as given, stripped.
+    class Batch(dict):
+        def to(self, device):
+            return self
+
+    class Echo:
+        generation_config = type(
+            "G", (), {"num_beams": 4, "max_new_tokens": 8, "min_new_tokens": None, "no_repeat_ngram_size": 3}
+        )()
+
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+        def generate(self, texts):
+            return texts
+
+    tokenizer = lambda texts, **_: Batch(texts=texts)  # noqa: E731
+    tokenizer.batch_decode = lambda out, skip_special_tokens: [f" {t} " for t in out]
+    pairs = [("a", "the cat sat on the mat today", "ref a"), ("b", "hi", "ref b"), ("c", "one two three", "ref c")]
+    seen = []
+    score = lambda preds, refs: seen.append((preds, refs)) or {"rouge1": 12.346, "n": 3}  # noqa: E731
+    ev = wu.evaluate_summarizer(
+        Echo(), tokenizer, pairs, wu.WarmupConfig(eval_batch_size=2), torch.device("cpu"), score
+    )
+    assert seen == [(["the cat sat on the mat today", "hi", "one two three"], ["ref a", "ref b", "ref c"])]
+    assert (ev["examples"], ev["rouge1"], "n" in ev, ev["mean_prediction_words"]) == (3, 12.35, False, 3.67)  # 11 / 3
+    assert ev["decoding"] == {"num_beams": 4, "max_new_tokens": 8, "min_new_tokens": 0, "no_repeat_ngram_size": 3}
+
+
 def test_batch_order_is_seeded_covers_examples_and_groups_by_length():
     rng = np.random.default_rng(1)
     lengths = rng.integers(5, 300, size=200)

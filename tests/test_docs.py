@@ -115,7 +115,7 @@ def _commands() -> list[tuple[str, str]]:
             lines = block.replace("\\\n", " ").splitlines()
             for line in lines:
                 line = line.split(" #", 1)[0].strip()
-                for command in re.split(r"\s*&&\s*", line):
+                for command in re.split(r"\s*&&\s*|;\s*(?:do|then|done)\b\s*", line):  # a loop's body too
                     if re.match(r"(python|make|dvc|flwr|bash tools/)\b", command):
                         found.append((doc.name, command))
     return found
@@ -145,6 +145,8 @@ def test_the_docs_have_commands():
     # the extraction below must keep finding the documented commands, else the checks pass on nothing
     kinds = {command.split()[0] for _, command in _commands()}
     assert {"python", "make", "dvc", "flwr"} <= kinds
+    loop = "python -m pipeline.federation kit --plan $PLAN --client $c --out $SITES/$c"  # in a for ...; do ...; done
+    assert ("federation.md", loop) in _commands()
 
 
 def test_every_pipeline_command_exists():

@@ -394,7 +394,9 @@ def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
     from pipeline.train import run_experiment
 
     name = "dp-fedselectkd"
-    metrics = run_experiment(_write_plan(name, "fedselectkd", {"mode": "example", "target_epsilon": 3.0}))
+    # C = 1e-4: every per-example gradient of the tiny model is above it (at C = 1 none was: a fraction of 0)
+    privacy = {"mode": "example", "target_epsilon": 3.0, "max_grad_norm": 1e-4}
+    metrics = run_experiment(_write_plan(name, "fedselectkd", privacy))
     n_train = {"Academic": 4, "Committee": 6, "Product": 5}
     assert sorted(metrics["clients"]) == sorted(n_train)
     for client, c in metrics["clients"].items():
@@ -402,10 +404,16 @@ def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
         assert 2.9 < p["epsilon"] <= 3.0  # every round trained: the planned steps, so close to the target
         assert p["delta"] == 1e-5  # min(1e-5, 1 / (10 n))
         assert p["steps"] == TRAIN["rounds"] * math.ceil(n_train[client] / TRAIN["batch_size"])
-        assert p["max_grad_norm"] == 1.0 and p["noise_multiplier"] > 0 and 0.0 <= p["clipped_fraction"] <= 1.0
+        assert p["max_grad_norm"] == 1e-4 and p["noise_multiplier"] > 0
     assert metrics["privacy"]["epsilon_max"] <= 3.0
     assert json.loads(Path(f"reports/train/{name}/metrics.json").read_text())["privacy"]["mode"] == "example"
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
+    for client in n_train:  # the run's clipped fraction: per-example gradients clipped over those seen, both rounds
+        rows = [r for r in history if r["client"] == client and "dp_examples" in r]
+        seen, clipped = sum(r["dp_examples"] for r in rows), sum(r["dp_clipped"] for r in rows)
+        assert (
+            len(rows) == 2 and seen > 0 and metrics["clients"][client]["privacy"]["clipped_fraction"] == clipped / seen
+        )
     eps_by_round = {(r["client"], r["round"]): r["epsilon"] for r in history}
     for client in n_train:  # the accountant composes across rounds
         assert eps_by_round[(client, 1)] < eps_by_round[(client, 2)] == metrics["clients"][client]["privacy"]["epsilon"]
@@ -461,7 +469,8 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
         "dp-examples",
         "dp-clipped",
     )
-    path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0, "max_grad_norm": 0.5})
+    # C = 1e-4: every per-example gradient of the tiny model is above it, so each one seen is counted clipped
+    path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0, "max_grad_norm": 1e-4})
     plan = read_plan(path)
     _set_server_identity(1)
     initial = initial_adapter_state(plan)
@@ -488,8 +497,8 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
         assert all(isinstance(v, (int, float)) for v in m.values())
         assert m["dp-steps"] == rnd * per_round and m["num-steps"] == per_round
         assert m["dp-epsilon"] == pytest.approx(epsilon(1.0, 4 / 6, rnd * per_round, 1e-5))
-        assert (m["dp-delta"], m["dp-noise-multiplier"], m["dp-max-grad-norm"]) == (pytest.approx(1e-5), 1.0, 0.5)
-        assert 0 <= m["dp-clipped"] <= m["dp-examples"]
+        assert (m["dp-delta"], m["dp-noise-multiplier"], m["dp-max-grad-norm"]) == (pytest.approx(1e-5), 1.0, 1e-4)
+        assert 0 < m["dp-clipped"] == m["dp-examples"]
     assert replies[0]["dp-epsilon"] < replies[1]["dp-epsilon"]
 
 

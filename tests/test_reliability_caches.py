@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import save_tiny
 
 from pipeline.common.integrity import RECORD_NAME, ModelDirError, sha256_dir
@@ -69,5 +70,13 @@ def test_damaged_backbone_names_the_file(saved, tmp_path, damage):
 
 def test_the_undamaged_copy_loads(saved, tmp_path):
     shutil.copytree(saved, tmp_path / "backbone")
+    # Loaded means the saved weights, read here with safetensors itself, and the adapters on the top 1 of the
+    # decoder layers config.json declares (first_adapted >= 0 held for a freshly initialised backbone too).
+    from safetensors.torch import load_file
+
     model = AdapterSummarizer.from_pretrained(tmp_path / "backbone", AdapterConfig(top_k=1, bottleneck=4))
-    assert model.first_adapted >= 0
+    config = json.loads((saved / "config.json").read_text())
+    assert model.first_adapted == config["decoder_layers"] - 1
+    state = model.backbone.state_dict()
+    weights = load_file(saved / "model.safetensors")
+    assert weights and all(torch.equal(state[name], tensor) for name, tensor in weights.items())

@@ -5,6 +5,7 @@ crashed)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,13 @@ def test_main_block_does_not_shadow_module_functions(path):
     tree = ast.parse(path.read_text())
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert not (_main_block_names(tree) & defined), f"{path.name}: __main__ rebinds {_main_block_names(tree) & defined}"
+
+
+def test_every_dvc_stage_module_has_a_main_block():
+    # STAGES is what the glob finds with a __main__ block: a stage module that lost its block would drop out of the
+    # check above (and `python -m` would import it and do nothing) while the test still passed.
+    ran = set(re.findall(r"python -m pipeline\.(\w+)", (PIPELINE.parent / "dvc.yaml").read_text()))
+    assert len(ran) == 10 and not ran - {p.stem for p in STAGES}, sorted(ran - {p.stem for p in STAGES})
 
 
 def test_the_check_sees_a_shadowing_block():
