@@ -145,9 +145,8 @@ def param_groups(model, wc: WarmupConfig) -> list[dict[str, Any]]:
 
 
 def autocast_ctx(device: torch.device, enabled: bool):
-    if enabled and (device.type == "cpu" or torch.cuda.is_bf16_supported()):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return torch.autocast(device.type, enabled=False)
+    on = enabled and (device.type == "cpu" or torch.cuda.is_bf16_supported())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 def token_ids(tokenizer, texts: list[str], max_length: int, chunk: int = 1024) -> list[np.ndarray]:
