@@ -55,7 +55,7 @@ def test_config_rejects_no_layer_and_an_empty_bottleneck(top_k, bottleneck, mess
 def test_one_layer_with_a_one_unit_bottleneck_is_allowed():
     cfg = AdapterConfig(top_k=1, bottleneck=1)
     adapters = AdapterSet(4, cfg, [None])
-    assert len(adapters.adapters) == 1 and adapters[0].down.weight.shape == (1, 4)
+    assert len(adapters) == 1 and adapters[0].down.weight.shape == (1, 4)
 
 
 # ----------------------------------------------------------------------------------------------- initialisation

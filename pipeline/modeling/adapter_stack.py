@@ -36,7 +36,7 @@ class AdapterStack(nn.Module):
         self.runs = len(states)
         stacked = {k: torch.stack([torch.as_tensor(s[k]) for s in states]).to(device, torch.float32) for k in self.keys}
         self.params = nn.ParameterDict({key.replace(".", "_"): nn.Parameter(t) for key, t in stacked.items()})
-        self.eps = [adapter.norm.eps for adapter in template.adapters]
+        self.eps = [adapter.norm.eps for adapter in template]
 
     def __getitem__(self, i: int) -> partial[torch.Tensor]:
         return partial(self.layer, i)

@@ -51,8 +51,7 @@ class HoulsbyAdapter(nn.Module):
                 self.norm.bias.copy_(layer_norm.bias)
                 self.norm.eps = layer_norm.eps
             else:
-                nn.init.ones_(self.norm.weight)
-                nn.init.zeros_(self.norm.bias)
+                self.norm.reset_parameters()  # weight 1, bias 0
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         return self.norm(y + self.up(torch.relu(self.down(y))))
@@ -67,24 +66,18 @@ def output_layer_norm(layer: nn.Module) -> nn.LayerNorm | None:
     return None
 
 
-class AdapterSet(nn.Module):
-    """One adapter per adapted layer; ``state()`` names are ``layer{i}.down.weight`` etc. with i = 0..k-1
+class AdapterSet(nn.ModuleList):
+    """One adapter per adapted layer (``[i]``); ``state()`` names are ``layer{i}.down.weight`` etc. with i = 0..k-1
     counted from the lowest adapted layer, so the global and the local set have identical key names."""
 
     def __init__(self, hidden: int, config: AdapterConfig, layer_norms: list[nn.LayerNorm | None]):
-        super().__init__()
-        self.adapters = nn.ModuleList(
-            HoulsbyAdapter(hidden, config.bottleneck, config.bias) for _ in range(config.top_k)
-        )
+        super().__init__(HoulsbyAdapter(hidden, config.bottleneck, config.bias) for _ in range(config.top_k))
         generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-        for adapter, ln in zip(self.adapters, layer_norms):
+        for adapter, ln in zip(self, layer_norms):
             adapter.reset_parameters(config.init_std, ln, generator)
 
-    def __getitem__(self, i: int) -> HoulsbyAdapter:
-        return self.adapters[i]
-
     def _named(self) -> dict[str, nn.Parameter]:
-        return {"layer" + name.removeprefix("adapters."): p for name, p in self.named_parameters()}
+        return {f"layer{name}": p for name, p in self.named_parameters()}
 
     def state(self) -> dict[str, torch.Tensor]:
         return {key: p.detach().to("cpu", torch.float32, copy=True) for key, p in self._named().items()}
