@@ -309,15 +309,16 @@ class AdapterSummarizer(nn.Module):
         return full
 
     def forward_two_paths(
-        self, batch: Batch, prefix: Prefix | None = None, packed: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both paths' logits from one prefix: (local, with gradients; global, the teacher, under no_grad), each
-        [B, T, V] (0 on padding), or with ``packed`` the [N, V] rows of the real target tokens (row-major)."""
+        self, batch: Batch, prefix: Prefix | None = None, packed: bool = False, teacher: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Both paths' logits from one prefix: (local, with gradients; global, the teacher, under no_grad; None
+        without ``teacher``), each [B, T, V] (0 on padding), or with ``packed`` the [N, V] rows of the real target
+        tokens (row-major)."""
         prefix = (prefix if prefix is not None else self.compute_prefix(batch)).to(self.device)
         masks = self.top_masks(prefix, batch.attention_mask)
         logits_local = self.path_logits(prefix, "local", masks, packed)
         with torch.no_grad():
-            return logits_local, self.path_logits(prefix, "global", masks, packed)
+            return logits_local, self.path_logits(prefix, "global", masks, packed) if teacher else None
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:

@@ -234,15 +234,13 @@ def _private_round(model, plan, stepper, kd, masks, cache, proximal) -> JobOutpu
         for step in stepper.epoch(epoch):
             optimizer.zero_grad(set_to_none=True)
             for batch, weight in step:
-                hard_mask = None
-                if masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
-                    hard_mask = torch.from_numpy(masks.batch(batch.example_ids, batch.labels)).to(model.device)
+                # KD exactly on target nouns and verbs (the loss moves it to the labels' device); checks the ids match
+                hard_mask = None if masks is None else torch.from_numpy(masks.batch(batch.example_ids, batch.labels))
                 prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
                 # packed: the LM head and the loss run only on the real (non-padding) target tokens
-                if kd.mode != "ce":
-                    logits_local, logits_global = model.forward_two_paths(batch, prefix, packed=True)
-                else:
-                    logits_local, logits_global = model.path_logits(prefix.to(model.device), "local", packed=True), None
+                logits_local, logits_global = model.forward_two_paths(
+                    batch, prefix, packed=True, teacher=kd.mode != "ce"
+                )
                 labels = batch.labels.to(model.device)
                 out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
                 stepper.backward(out.loss, weight)
