@@ -130,15 +130,14 @@ def make_batches(
     examples = tokenize_pairs(model.tokenizer, examples_df, cfg, model.decoder_start_token_id)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
-    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    if bucket_by_length:
-        chunk = bucket_batches * batch_size
-        groups = []
-        for c in range(0, len(order), chunk):
-            part = order[c : c + chunk]
+    chunk = bucket_batches * batch_size if bucket_by_length else max(len(order), 1)  # without buckets: one chunk
+    groups = []
+    for c in range(0, len(order), chunk):
+        part = order[c : c + chunk]
+        if bucket_by_length:
             keys = [(len(examples[j].labels), len(examples[j].input_ids)) for j in part]
             part = part[sorted(range(len(part)), key=keys.__getitem__)]
-            groups += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
-        if shuffle:
-            groups = [groups[i] for i in rng.permutation(len(groups))]
+        groups += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
+    if bucket_by_length and shuffle:
+        groups = [groups[i] for i in rng.permutation(len(groups))]
     return [collate([examples[j] for j in g], model.pad_token_id, model.decoder_start_token_id) for g in groups]
