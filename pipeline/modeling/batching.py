@@ -105,18 +105,11 @@ def stack_batches(batches: Sequence[Batch], pad_token_id: int, rows: int) -> Bat
     (right padding)."""
     s = max(b.input_ids.shape[1] for b in batches)
     t = max(b.labels.shape[1] for b in batches)
-
-    def padded(name: str, width: int, value: int) -> torch.Tensor:
+    tensors = []
+    for name, width, value in zip(TENSOR_FIELDS, (s, s, t, t), (pad_token_id, 0, pad_token_id, IGNORE_INDEX)):
         parts = [torch.cat([x, x[:1].expand(rows - len(x), -1)]) for x in (getattr(b, name) for b in batches)]
-        return torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value) for x in parts])
-
-    return Batch(
-        [eid for b in batches for eid in b.example_ids + b.example_ids[:1] * (rows - len(b))],
-        padded("input_ids", s, pad_token_id),
-        padded("attention_mask", s, 0),
-        padded("decoder_input_ids", t, pad_token_id),
-        padded("labels", t, IGNORE_INDEX),
-    )
+        tensors.append(torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value) for x in parts]))
+    return Batch([eid for b in batches for eid in b.example_ids + b.example_ids[:1] * (rows - len(b))], *tensors)
 
 
 def make_batches(
