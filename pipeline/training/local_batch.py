@@ -154,11 +154,8 @@ def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Te
     model, cache, runs = jobs[0].model, jobs[0].cache, len(jobs)
     batches = [job.steps[s][m][0] for job in jobs]
     shared = all(b.example_ids == batches[0].example_ids for b in batches)
-    if shared:
-        batch = batches[0]
-    else:
-        rows = max(len(b) for b in batches)
-        batch = stack_batches(batches, model.pad_token_id, rows)
+    rows = max(len(b) for b in batches)  # a block's rows where they differ
+    batch = batches[0] if shared else stack_batches(batches, model.pad_token_id, rows)
     prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
     if shared:
         return prefix.repeat(runs), batch.labels.repeat(runs, 1), batch.attention_mask.repeat(runs, 1), batches
