@@ -137,14 +137,11 @@ def stacked_logits(
         student = packed(local, prefix, labels, masks)
     if teacher is None:
         return student, None
+    rows = labels.shape[0] // local.runs * taught  # the taught runs' blocks lead (every run's: all rows, views)
+    taught_prefix = Prefix(*(t[:rows] for t in vars(prefix).values()))
+    taught_masks = masks if taught == local.runs else model.top_masks(taught_prefix, source_mask[:rows])
     with torch.no_grad():
-        if taught == local.runs:  # every run's block: the same prefix, labels and attention masks
-            return student, packed(teacher, prefix, labels, masks)
-        rows = labels.shape[0] // local.runs * taught  # the taught runs' blocks lead
-        taught_prefix = Prefix(*(t[:rows] for t in vars(prefix).values()))
-        return student, packed(
-            teacher, taught_prefix, labels[:rows], model.top_masks(taught_prefix, source_mask[:rows])
-        )
+        return student, packed(teacher, taught_prefix, labels[:rows], taught_masks)
 
 
 def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Tensor, torch.Tensor, list[Batch]]:
