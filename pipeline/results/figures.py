@@ -39,18 +39,16 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
         d = shown if facet is None else shown[shown[facet_col] == facet]
         clients, bars = list(dict.fromkeys(d["client"])), list(dict.fromkeys(d["label"]))
         width = 0.8 / max(len(bars), 1)
-        paper_labelled = False
         for j, bar in enumerate(bars):
             # the bar's first row per client, at the client's place on the x axis
             r = d[d["label"] == bar].drop_duplicates("client")
             xs = [clients.index(c) - 0.4 + width * (j + 0.5) for c in r["client"]]
             ax.bar(xs, r["avg_rouge_mean"], width, yerr=r["avg_rouge_std"].fillna(0.0), label=str(bar), capsize=2)
             if paper_xy := [(x, p) for x, p in zip(xs, r["paper_avg_rouge"]) if not math.isnan(p)]:
-                px, py = zip(*paper_xy)
+                first = "paper" not in [c.get_label() for c in ax.collections]  # one legend entry a panel
                 ax.scatter(
-                    px, py, marker="_", s=300, color="black", zorder=3, label=None if paper_labelled else "paper"
+                    *zip(*paper_xy), marker="_", s=300, color="black", zorder=3, label="paper" if first else None
                 )
-                paper_labelled = True
         ax.set(xticks=range(len(clients)), xticklabels=clients)
         ax.legend(fontsize=7)
         if facet is not None:

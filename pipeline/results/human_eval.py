@@ -283,10 +283,8 @@ def plot_results(results: dict[str, Any], path: str | Path) -> Path:
     left = [0.0] * len(rows)
     for j, (name, colour) in enumerate((("win", "#2a9d8f"), ("tie", "#e9c46a"), ("loss", "#e76f51"))):
         widths = [100.0 * r[j] / max(sum(r), 1) for r in rows]
-        ax.barh(labels, widths, left=left, color=colour, label=name)
-        for y, (lft, w, r) in enumerate(zip(left, widths, rows)):
-            if w > 4:
-                ax.text(lft + w / 2, y, str(r[j]), ha="center", va="center", fontsize=8)
+        bars = ax.barh(labels, widths, left=left, color=colour, label=name)  # a count on each bar wider than 4 %
+        ax.bar_label(bars, [str(r[j]) if w > 4 else "" for w, r in zip(widths, rows)], label_type="center", fontsize=8)
         left = [lft + w for lft, w in zip(left, widths)]
     ax.set(xlim=(0, 100), xlabel=f"% of judged comparisons ({results['target']} wins / ties / losses)")
     ax.invert_yaxis()

@@ -265,8 +265,7 @@ def plot_entropy(client: str, gate: pd.DataFrame, record: dict[str, Any], tau: f
     passed = record["gate_pass_fraction_per_round"]
     ax2.bar(list(passed), [100 * f for f in passed.values()], color="tab:blue")
     best = [r["best_round"] for r in record["per_experiment"].values()]
-    for b in sorted(set(best)):
-        ax2.axvline(b, color="k", ls=":", lw=1)
+    ax2.vlines(sorted(set(best)), 0, 1, transform=ax2.get_xaxis_transform(), color="k", ls=":", lw=1)
     ax2.set(ylim=(0, 100), ylabel="% tokens with KD", xticks=rounds)
     ax2.set_xlabel("round" + (" (dotted: best round)" if best else ""))
     save(fig, path)

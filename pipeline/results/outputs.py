@@ -268,15 +268,12 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
         f"Experiments planned: {n_planned}; evaluated: {n_planned - len(index['missing_experiments'])}.",
         "",
     ]
-    for section in ("tables", "figures", "human evaluation"):
-        if items := index["made"].get(section, []):
-            lines += [f"## {section.capitalize()}", ""]
-            lines += [f"- [{rel(i)}]({rel(i)})" if Path(i).exists() else f"- {i}" for i in items]
-            lines.append("")
-    if plot_files := sorted(plots.rglob("*.csv")):
-        lines += ["## Plot data (`dvc plots show`)", ""] + [f"- [{rel(p)}]({rel(p)})" for p in plot_files] + [""]
-    if others := [p for pattern in OTHER_OUTPUTS for p in sorted(out.glob(pattern))]:
-        lines += ["## Other stage outputs", ""] + [f"- [{rel(p)}]({rel(p)})" for p in others] + [""]
+    # each section a list of links (an entry that is no file, e.g. the sheets' counts, as it is)
+    sections = [(s.capitalize(), index["made"].get(s, [])) for s in ("tables", "figures", "human evaluation")]
+    sections += [("Plot data (`dvc plots show`)", sorted(plots.rglob("*.csv")))]
+    sections += [("Other stage outputs", [p for pattern in OTHER_OUTPUTS for p in sorted(out.glob(pattern))])]
+    for title, items in ((t, i) for t, i in sections if i):
+        lines += [f"## {title}", "", *(f"- [{rel(i)}]({rel(i)})" if Path(i).exists() else f"- {i}" for i in items), ""]
     lines += ["## Not produced", ""]
     if not index["not_made"] and not index["missing_experiments"] and not index["incomplete_seeds"]:
         lines.append("Nothing: every planned experiment is evaluated with every expected seed.")
