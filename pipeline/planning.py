@@ -15,7 +15,7 @@ from typing import Any
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, from_dict, group
 from pipeline.common.integrity import file_hash
-from pipeline.experiments.entries import Experiment, privacy_label
+from pipeline.experiments.entries import Experiment, Inherited, privacy_label
 from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_strategy
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
@@ -76,6 +76,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
 
 def declared(params: dict[str, Any]) -> list[Experiment]:
     """Every experiment of the params file, in its order, each checked (the first bad entry raises, naming it)."""
+    from_dict(Inherited, {key: params[key] for key in ("seed", "tau") if key in params}, "params.yaml", sep=" ")
     return [parse_entry(name, raw, params) for name, raw in group(params, "experiments").items()]
 
 

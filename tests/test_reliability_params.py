@@ -112,9 +112,9 @@ CASES = [
     ),
     ("postag", [], "postag.batch_size", 0, r"postag.batch_size=0 is out of range; allowed: >= 1"),
     ("postag", [], "model.max_target_length", "96", r"model.max_target_length: expected an integer, got str"),
-    ("plan", [], "tau", 0, r"experiments.fedselectkd-domain.tau=0 is out of range; allowed: > 0"),
-    ("plan", [], "tau", -1.5, r"experiments.fedselectkd-domain.tau=-1.5 is out of range; allowed: > 0"),
-    ("plan", [], "seed", -1, r"experiments.centralized-domain.seed=-1 is out of range; allowed: >= 0"),
+    ("plan", [], "tau", 0, r"params.yaml tau=0 is out of range; allowed: > 0"),
+    ("plan", [], "tau", -1.5, r"params.yaml tau=-1.5 is out of range; allowed: > 0"),
+    ("plan", [], "seed", -1, r"params.yaml seed=-1 is out of range; allowed: >= 0"),
     (
         "plan",
         [],
