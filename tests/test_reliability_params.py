@@ -140,9 +140,15 @@ CASES = [
     ("plan", [], "model.bottleneck", 0, r"model.bottleneck=0 is out of range; allowed: >= 1"),
     ("plan", [], "model.adapter_init_std", -0.02, r"model.adapter_init_std=-0.02 is out of range; allowed: >= 0"),
     ("plan", [], "model.top_k", 0, r"model.top_k=0 is out of range; allowed: >= 1"),
-    ("plan", [], "model.cache_dtype", "int4", r"model.cache_dtype='int4'; expected one of \["),
+    ("plan", [], "model.cache_dtype", "int4", r"model.cache_dtype='int4' is out of range; allowed: one of 'float32'"),
     # a list (an unhashable value) was a TypeError traceback from the dtype lookup
-    ("plan", [], "model.cache_dtype", ["float16"], r"model.cache_dtype=\['float16'\]; expected one of \["),
+    (
+        "plan",
+        [],
+        "model.cache_dtype",
+        ["float16"],
+        r"model.cache_dtype=\['float16'\] is out of range; allowed: one of 'float32'",
+    ),
     ("plan", [], "train.batch_size", 0, r"train.batch_size=0 is out of range; allowed: >= 1"),
     ("plan", [], "train.lr", "fast", r"train.lr: expected a number, got str 'fast'"),
     # torch's AdamW refuses these at the first step, numpy's sampler a negative cap, and a cap of 0 trains nothing
