@@ -64,10 +64,8 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         "seed": raw.get("seed", params.get("seed", 0)),
         "tau": params.get("tau") if tau is None and reads_tau else tau,
         "train": overrides,
-        "tau_scale": train.get("tau_scale", "absolute"),
-        "entropy_log_base": str(train.get("entropy_log_base", "e")),
-        "kd_gate": train.get("kd_gate", "entropy"),
         "privacy": raw.get(PRIVACY_KEY) or {},
+        **{key: train[key] for key in ("tau_scale", "entropy_log_base", "kd_gate") if key in train},  # the gate's
     }
     exp = from_dict(Experiment, entry, where)
     if exp.scheme not in SCHEMES:
