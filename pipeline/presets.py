@@ -143,11 +143,11 @@ def overrides(preset: dict[str, Any]) -> list[str]:
 def run_commands(
     preset_path: Path, params: dict[str, Any], name: str | None, by: str | None = None, flags: tuple[str, ...] = ()
 ) -> list[list[str]]:
-    """The ``dvc exp run`` commands (with ``flags``: ``--queue``, ``--temp``) that apply the preset, each part
-    validated against ``params`` (params.yaml's) first. With ``by``, a long preset as several DVC experiments: one per
-    value of the experiments' ``by`` key (e.g. ``seed``), named ``<name>-<by><value>``, each with only those
-    experiments, then the whole preset as ``<name>``, which trains nothing again: its train and evaluate stages are
-    the parts', restored from DVC's run cache."""
+    """The ``dvc exp run`` commands (with ``flags``: ``--queue``, ``--temp``) that apply the preset, validated against
+    ``params`` (params.yaml's) first: each entry alone, so each part is valid too. With ``by``, a long preset as
+    several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``), named
+    ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which trains
+    nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
     preset = load_preset(preset_path)
     validate(preset, params, str(preset_path))
     parts = {}
@@ -166,8 +166,6 @@ def run_commands(
         if len(groups) < 2:
             raise PresetError(f"{preset_path}: every experiment has the same {by!r}; nothing to split")
         parts = {f"{name}-{by}{value}": {**preset, "experiments": group} for value, group in groups.items()}
-        for part in parts.values():
-            validate(part, params, str(preset_path))
     commands = []
     for part_name, part in (parts | {name: preset}).items():
         named = ["--name", part_name] if part_name else []
