@@ -210,7 +210,11 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # the case study's seed, the round-budget marks, FedAvgM's reference under a lossy downlink, a tokenizer's padding.
 # +7 for the site tools' last round (a hangup and a second signal stop every process the local command started, a
 # bad kit --out and a plan in --run-config refused in one line, no thread traceback beside the error line).
-PACKAGE_LINE_CEILING = 14_909
+# Lowered to 14,905 by the sixteenth session's configuration helper: -19 from structure (presets' entries checked
+# by the plan stage's own check, params' model group as a config class, the gate's settings typed as TrainConfig's,
+# the parts not validated twice), +15 for a top-level tau or seed named as itself and check_client_plans skipping
+# plans without client-level DP or SecAgg+.
+PACKAGE_LINE_CEILING = 14_905
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
