@@ -195,11 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.common import minilm_config
     from pipeline.common.config import from_dict, load_params
     from pipeline.experiments.privacy import PrivacyConfig
-    from pipeline.planning import check_model_group
+    from pipeline.planning import ModelGroup
 
     params = load_params(args.params)
     cfg = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy").secagg
-    model = check_model_group(params)
+    model = from_dict(ModelGroup, params.get("model"), "params.yaml model")
     shapes = [
         ("default (MiniLM-L6 BERT2BERT)", minilm_config()["hidden_size"], model.top_k, model.bottleneck),
         ("bart-base", 768, 3, 1536),

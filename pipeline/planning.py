@@ -10,16 +10,16 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.common import atomic
-from pipeline.common.config import ConfigError, from_dict, group
+from pipeline.common.config import ConfigError, config, from_dict, group
 from pipeline.common.integrity import file_hash
-from pipeline.experiments.entries import Experiment, privacy_label
+from pipeline.experiments.entries import Experiment, Inherited, privacy_label
 from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_strategy
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
-from pipeline.experiments.settings import RUN_MODEL_KEYS, RUN_TRAIN_KEYS, RunSettings, run_settings
+from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, RunSettings, run_settings
 from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
 from pipeline.federation.strategies.catalog import BUILDERS
 from pipeline.modeling.cache import DTYPES
@@ -31,6 +31,13 @@ from pipeline.paths import PATHS
 RESERVED_NAMES = {PATHS.plans.name, PATHS.backbone.name}  # directories under models/ that are not experiments
 ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
 PRIVACY_KEY = "privacy"  # an entry's overrides of params `privacy` (a privacy-utility study in one experiment)
+
+
+@config(frozen=True)
+class ModelGroup(ModelConfig, CacheConfig):
+    """params `model` whole: the model's shape (a plan carries it), the cache's keys and its entries' dtype."""
+
+    cache_dtype: Literal[tuple(DTYPES)] = "float32"  # a plan carries it unless float32 (a float16 prefix is rounded)
 
 
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
@@ -57,10 +64,8 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         "seed": raw.get("seed", params.get("seed", 0)),
         "tau": params.get("tau") if tau is None and reads_tau else tau,
         "train": overrides,
-        "tau_scale": train.get("tau_scale", "absolute"),
-        "entropy_log_base": str(train.get("entropy_log_base", "e")),
-        "kd_gate": train.get("kd_gate", "entropy"),
         "privacy": raw.get(PRIVACY_KEY) or {},
+        **{key: train[key] for key in ("tau_scale", "entropy_log_base", "kd_gate") if key in train},  # the gate's
     }
     exp = from_dict(Experiment, entry, where)
     if exp.scheme not in SCHEMES:
@@ -76,6 +81,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
 
 def declared(params: dict[str, Any]) -> list[Experiment]:
     """Every experiment of the params file, in its order, each checked (the first bad entry raises, naming it)."""
+    from_dict(Inherited, {key: params[key] for key in ("seed", "tau") if key in params}, "params.yaml", sep=" ")
     return [parse_entry(name, raw, params) for name, raw in group(params, "experiments").items()]
 
 
@@ -179,7 +185,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
 def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
     # Checked here, before any plan is written, although only the train stage builds the model from it.
-    check_model_group(params)
+    from_dict(ModelGroup, group(params, "model"), "params.yaml model")
     run_settings(params)
     train_config({k: v for k, v in group(params, "train").items() if k not in RUN_TRAIN_KEYS}, "params.yaml train")
     part = from_dict(PartitionConfig, params.get("partition"), "partition")
@@ -208,14 +214,3 @@ def write_plans(plans: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
     for stale in sorted(set(out_dir.glob("*.json")) - set(written)):
         stale.unlink()
     return written
-
-
-def check_model_group(params: dict[str, Any]) -> ModelConfig:
-    """params `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
-    model = group(params, "model")
-    known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
-    if unknown := sorted(set(model) - known):
-        raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
-    if model.get("cache_dtype", "float32") not in list(DTYPES):  # a list value is unhashable
-        raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")
-    return ModelConfig.from_group(model)

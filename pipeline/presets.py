@@ -3,9 +3,8 @@
 A preset has params.yaml's nested layout and names only keys params.yaml has (an unknown key is an error). Applying
 it runs ``dvc exp run --set-param key=value ...``, one override per leaf, so every profile run is a DVC experiment.
 Leaves (lists included) replace the params.yaml value, mappings merge key by key, and ``experiments`` is replaced
-whole (``~experiments`` then ``+experiments={...}``), each entry checked by the plan stage's parser and its
-partition one the partition stage produces. A grid is DVC's own sweep (``make grid``); docs/experiments.md has the
-recipes.
+whole (``~experiments`` then ``+experiments={...}``), each entry checked as the plan stage checks it. A grid is
+DVC's own sweep (``make grid``); docs/experiments.md has the recipes.
 
     python -m pipeline.presets show configs/cpu-study.yaml          # the flattened overrides
     python -m pipeline.presets check configs/*.yaml                  # validate only
@@ -70,11 +69,11 @@ def apply_preset(params: dict[str, Any], preset: dict[str, Any]) -> dict[str, An
 
 def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (one by one, so
-    every unknown key is named), else each experiment entry the plan stage refuses or whose partition the partition
-    stage does not produce, else what the plan stage refuses in the result."""
+    every unknown key is named), else what the plan stage refuses of each experiment entry (its partition one the
+    partition stage produces among them)."""
     from dvc.exceptions import InvalidArgumentError  # lazy: `show` starts without DVC
 
-    from pipeline.planning import check_params, parse_entry  # lazy: the other commands start without torch
+    from pipeline.planning import check_params  # lazy: the other commands start without torch
     from pipeline.privacy.accounting import check_client_plans  # lazy, as planning
 
     groups = {key.rsplit(".", n)[0] for key in flatten(params) for n in range(1, key.count(".") + 1)}
@@ -97,25 +96,14 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
                 unknown = any("not in struct" in c for c in causes)
                 found.append(f"{key}: unknown key (params.yaml has no {key})" if unknown else f"{key}: {causes[-1]}")
         return found
-    partition = applied.get("partition") or {}
-    schemes, seeds = partition.get("schemes", []), partition.get("seeds", [])
-    for name, entry in (applied.get("experiments") or {}).items():  # the preset's, else params.yaml's
+    entries = applied.get("experiments")  # the preset's, else params.yaml's
+    alone = [{name: entry} for name, entry in entries.items()] if isinstance(entries, dict) else []
+    for each in alone or [entries]:  # each entry alone, as the plan stage checks it: every bad one is named
         try:
-            parsed = parse_entry(str(name), entry, applied)
-        except ValueError as e:  # params.yaml's own entries fail only by a group the preset broke: check_params says it
-            found += [f"experiments.{name}: {e}"] if name in (preset.get("experiments") or {}) else []
-            continue
-        if parsed.scheme not in schemes or int(parsed.partition.partition("/seed")[2]) not in seeds:
-            found.append(
-                f"experiments.{name}: partition {parsed.partition!r} is not produced by partition.schemes "
-                f"{schemes} x partition.seeds {seeds} (after the preset)"
-            )
-    if not found:
-        try:
-            check_client_plans(check_params(applied))  # what the plan stage refuses
+            check_client_plans(check_params(applied | {"experiments": each}))  # what the plan stage refuses
         except ValueError as e:  # ConfigError among them
             found.append(str(e))
-    return found
+    return list(dict.fromkeys(found))  # a group the preset broke fails every entry alike: named once
 
 
 def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "preset") -> None:
@@ -155,11 +143,11 @@ def overrides(preset: dict[str, Any]) -> list[str]:
 def run_commands(
     preset_path: Path, params: dict[str, Any], name: str | None, by: str | None = None, flags: tuple[str, ...] = ()
 ) -> list[list[str]]:
-    """The ``dvc exp run`` commands (with ``flags``: ``--queue``, ``--temp``) that apply the preset, each part
-    validated against ``params`` (params.yaml's) first. With ``by``, a long preset as several DVC experiments: one per
-    value of the experiments' ``by`` key (e.g. ``seed``), named ``<name>-<by><value>``, each with only those
-    experiments, then the whole preset as ``<name>``, which trains nothing again: its train and evaluate stages are
-    the parts', restored from DVC's run cache."""
+    """The ``dvc exp run`` commands (with ``flags``: ``--queue``, ``--temp``) that apply the preset, validated against
+    ``params`` (params.yaml's) first: each entry alone, so each part is valid too. With ``by``, a long preset as
+    several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``), named
+    ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which trains
+    nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
     preset = load_preset(preset_path)
     validate(preset, params, str(preset_path))
     parts = {}
@@ -178,8 +166,6 @@ def run_commands(
         if len(groups) < 2:
             raise PresetError(f"{preset_path}: every experiment has the same {by!r}; nothing to split")
         parts = {f"{name}-{by}{value}": {**preset, "experiments": group} for value, group in groups.items()}
-        for part in parts.values():
-            validate(part, params, str(preset_path))
     commands = []
     for part_name, part in (parts | {name: preset}).items():
         named = ["--name", part_name] if part_name else []

@@ -35,8 +35,9 @@ def workspace(tmp_path_factory):
     """backbone + examples + partition + a trained-looking experiment (adapters saved from the model itself)."""
     from safetensors.torch import save_file
 
+    from pipeline.common.config import from_dict
     from pipeline.modeling.model import AdapterSummarizer, adapter_config
-    from pipeline.planning import check_model_group
+    from pipeline.planning import ModelGroup
 
     root = tmp_path_factory.mktemp("evalws")
     backbone = save_tiny("bart", root / "models" / "backbone")
@@ -66,7 +67,7 @@ def workspace(tmp_path_factory):
     paths.partition("domain/seed0").parent.mkdir(parents=True)
     paths.partition("domain/seed0").write_text(json.dumps(partition))
 
-    model = AdapterSummarizer.from_pretrained(backbone, adapter_config(check_model_group({"model": MODEL})))
+    model = AdapterSummarizer.from_pretrained(backbone, adapter_config(from_dict(ModelGroup, MODEL)))
     exp_dir = root / "models" / "exp1"
     for client in CLIENTS:
         d = exp_dir / "clients" / client

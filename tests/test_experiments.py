@@ -406,3 +406,24 @@ def test_a_bad_value_of_params_train_is_named_where_it_is_not_in_an_experiment_t
     with pytest.raises(ConfigError) as err:
         check_params(_params(**{key: value}))
     assert str(err.value).startswith(f"params.yaml train.{problem}") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, problem",
+    [
+        ("tau", "5", "tau: expected a number, got str '5'"),
+        ("tau", -1.0, "tau=-1.0 is out of range; allowed: > 0"),
+        ("seed", -1, "seed=-1 is out of range; allowed: >= 0"),
+        ("seed", 0.5, "seed: expected an integer, got float 0.5"),
+    ],
+)
+def test_a_bad_top_level_tau_or_seed_is_named_as_the_top_level_key_not_as_the_first_experiment(key, value, problem):
+    """The entries inherit params.yaml's top-level tau and seed (no entry sets seed; tau: every selective-KD entry
+    without its own): the line names that key, not the first experiment that inherits it (fedselectkd-domain,
+    single-domain)."""
+    from pipeline.planning import check_params
+
+    assert all("seed" not in entry for entry in _params()["experiments"].values())
+    with pytest.raises(ConfigError) as err:
+        check_params(_params(**{key: value}))
+    assert str(err.value) == f"params.yaml {problem}"

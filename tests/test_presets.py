@@ -192,7 +192,7 @@ def test_a_preset_that_drops_a_partition_the_params_experiments_train_on_is_refu
     iid = [name for name, e in PARAMS["experiments"].items() if e["partition"] == "iid/seed0"]
     assert iid  # params.yaml trains on the iid partition (METHOD.md 7.2)
     bad = pr.problems({"partition": {"schemes": ["domain", "noniid_balanced", "extreme"]}}, PARAMS)
-    assert [b.split(":")[0] for b in bad] == [f"experiments.{name}" for name in iid]
+    assert [b.split(":")[0] for b in bad] == [f"params.yaml experiments.{name}.partition" for name in iid]
     assert all("'iid/seed0' is not produced" in b for b in bad)
 
 
@@ -203,6 +203,22 @@ def test_a_client_level_dp_entry_the_plan_stage_refuses_is_a_problem():
     entry = {"method": "fedavg", "partition": "domain/seed0", "privacy": dp}
     bad = pr.problems({"experiments": {"x": entry}}, PARAMS)
     assert len(bad) == 1 and "experiments.x: privacy.delta 0.5 >= 1/3 " in bad[0]
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [  # a scalar where the partition stage reads a list; a list of entries where params.yaml has a mapping
+        ("partition:\n  seeds: 1\n", "partition.seeds: expected a list, got int 1"),
+        ("experiments:\n  - fedavg\n", "params.yaml experiments: expected a mapping of keys, got list ['fedavg']"),
+    ],
+)
+def test_a_group_of_the_wrong_shape_is_one_line_naming_it_not_a_traceback(tmp_path, capsys, text, named):
+    """`presets check` read partition.seeds and experiments itself (a TypeError, an AttributeError traceback);
+    the plan stage's own check names them."""
+    path = write(tmp_path, text)
+    assert run_cli(pr.main, ["--params", str(ROOT / "params.yaml"), "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {path}: 1 problem(s): {named}\n"
 
 
 # ---------------------------------------------------------------------------------------------- applying

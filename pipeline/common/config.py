@@ -167,7 +167,7 @@ def _expected(err: dict[str, Any]) -> str:
     return msg.replace("a integer", "an integer").replace("a instance", "an instance")
 
 
-def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError) -> str:
+def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError, sep: str = ".") -> str:
     """pydantic's errors as one line: unknown keys first (all of them, with the allowed ones), else a check across
     keys (a ``model_validator``'s message), else every bad value: ``where.key=<value> is out of range; allowed: ...``
     for a bound or a choice, ``where.key: expected <type>, got <type> <value>`` for a wrong type."""
@@ -182,7 +182,7 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
         if err["type"] == "value_error" and not err["loc"]:  # a model_validator's: its message starts with the key
             text = " ".join(err["msg"].removeprefix("Value error, ").split())
             first = re.match(r"\w+", text)
-            return f"{where}{'.' if first and first.group() in fields else ': '}{text}"
+            return f"{where}{sep if first and first.group() in fields else ': '}{text}"
     by_path: dict[str, tuple[Any, list[dict[str, Any]]]] = {}
     choices: dict[str, tuple[list[Any], str]] = {}  # list items outside a Literal, one entry per list
     for err in errors:
@@ -194,11 +194,11 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
             continue
         by_path.setdefault(path, (value, []))[1].append(err | {"is_key": is_key})
     lines = [
-        f"{where}.{path}: unknown value(s) {values}; allowed: {expected}"
+        f"{where}{sep}{path}: unknown value(s) {values}; allowed: {expected}"
         for path, (values, expected) in choices.items()
     ]
     for path, (value, errs) in by_path.items():
-        at = f"{where}.{path}" if path else where
+        at = f"{where}{sep}{path}" if path else where
         ranges = [e for e in errs if e["type"] in _RANGE_ERRORS]
         if checked := [e for e in errs if e["type"] == "value_error"]:  # a field validator's message
             lines.append(f"{at}: {' '.join(checked[0]['msg'].removeprefix('Value error, ').split())}")
@@ -212,9 +212,10 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     return "; ".join(lines)
 
 
-def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
+def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "", sep: str = ".") -> T:
     """Config class ``cls`` (:func:`config`) from ``data`` (a params group), nested config groups first; a bad
-    key or value raises one-line :class:`ConfigError` naming ``where.key`` and what is allowed."""
+    key or value raises one-line :class:`ConfigError` naming ``where.key`` (``where key`` with ``sep`` " ": keys at
+    a file's top level, ``params.yaml tau``) and what is allowed."""
     where = where or cls.__name__
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {type(data).__name__} {data!r}")
@@ -222,12 +223,12 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
     hints = get_type_hints(cls)
     for key, value in data.items():
         if isinstance(value, dict) and dataclasses.is_dataclass(hints.get(key)):
-            data[key] = from_dict(hints[key], value, f"{where}.{key}")
+            data[key] = from_dict(hints[key], value, f"{where}{sep}{key}")
     built = cls.__new__(cls)
     try:  # what the dataclass's __init__ does, with the params key in the error
         cls.__pydantic_validator__.validate_python(ArgsKwargs((), data), self_instance=built)
     except ValidationError as exc:
-        raise ConfigError(_one_line(cls, data, where, exc)) from None
+        raise ConfigError(_one_line(cls, data, where, exc, sep)) from None
     return built
 
 

@@ -11,6 +11,19 @@ from pydantic import Field, field_validator, model_validator
 from pipeline.common.config import NonNegativeInt, config, from_dict, group
 from pipeline.experiments.methods import get_method
 from pipeline.experiments.privacy import PrivacyConfig
+from pipeline.experiments.train_config import LogBase, TauScale
+
+# > 0: the entropy gate is H(q_g) < tau with H >= 0, so tau <= 0 would never distil; inf: KD on every token
+Tau = Annotated[float, Field(gt=0.0, allow_inf_nan=True)]
+
+
+@config(frozen=True)
+class Inherited:
+    """params.yaml's top-level `seed` and `tau`: those of every entry that sets none (tau: of the methods that read
+    it), checked as such, so that a bad one is named as the top-level key and not as the first entry inheriting it."""
+
+    seed: NonNegativeInt = 0
+    tau: Tau | None = None
 
 
 @config(frozen=True)
@@ -23,12 +36,10 @@ class Experiment:
     partition: str  # "<scheme>/seed<k>"
     seed: NonNegativeInt = 0  # numpy's generators (AdaCentralized's round window) refuse a negative seed
     study: str = "main"
-    # the entry's tau, else the top-level tau for methods that read it, else None; > 0: the entropy gate is
-    # H(q_g) < tau with H >= 0, so tau <= 0 would never distil
-    tau: Annotated[float, Field(gt=0.0, allow_inf_nan=True)] | None = None  # inf: KD on every token
+    tau: Tau | None = None  # the entry's tau, else the top-level tau for methods that read it, else None
     train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `train`
-    tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else the params file's
-    entropy_log_base: str = "e"  # the unit of H(q_g) and an absolute tau ("2": bits), resolved as tau_scale is
+    tau_scale: TauScale = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else the params file's
+    entropy_log_base: LogBase = "e"  # the unit of H(q_g) and an absolute tau ("2": bits), resolved as tau_scale is
     privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `privacy`
     dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
     kd_gate: str = "entropy"  # selective KD's gate (tau its threshold; only "entropy" reads tau as an entropy)

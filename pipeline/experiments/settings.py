@@ -11,7 +11,7 @@ from typing import Any
 from pipeline.common.config import NonNegative, Positive, config, from_dict, group, load_params
 
 
-@config
+@config(frozen=True)
 class CacheConfig:
     """Where the prefix cache lives and what the caches may hold; no result depends on it, so plans leave it out
     (RunSettings below; the entries' dtype, which does, travels in the plan)."""

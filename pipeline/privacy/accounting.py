@@ -126,8 +126,11 @@ def check_client_plans(plans: dict[str, dict]) -> None:
     (resolved, not yet written: the plan stage's and `presets check`'s): they need only the plan's clients (N),
     train.fraction_train and rounds."""
     for plan in plans.values():
+        privacy = plan.get("privacy", {})
+        if privacy.get("mode") != "client" and not privacy.get("secure_aggregation"):
+            continue  # neither setting: nothing here to check (its privacy group was checked when it was resolved)
         clients, t, where = plan.get("clients", []), plan["train"], f"params.yaml experiments.{plan['experiment']}"
-        cfg, n = from_dict(PrivacyConfig, plan.get("privacy", {}), where), len(clients)
+        cfg, n = from_dict(PrivacyConfig, privacy, where), len(clients)
         first = len([c for c in clients if c != t.get("new_client")])  # post_addition's new client joins late
         if cfg.secure_aggregation and (problem := secure_sum_problem(cfg.secagg, n, first, t["fraction_train"])):
             raise ConfigError(f"{where}: {problem}")
