@@ -329,12 +329,13 @@ def _variants(avg: pd.DataFrame) -> list[str]:
 
 
 def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFrame | None) -> str:
-    """``lines`` and the round-budget note of the studies the table covers, as markdown."""
+    """``lines`` and the round-budget note of the table's studies (``convergence``: their evaluated runs), markdown."""
     studies = sorted(set(table["study"]) | set(table["study_b"]))
     if text := convergence_note(convergence, studies):
         runs = run_verdicts(convergence[convergence["study"].isin(studies)])
         lines.append(
-            f"- **Round budget**: {text.removeprefix('↗ ')} {int((~runs).sum())} of {len(runs)} runs are not converged "
+            f"- **Round budget** (the evaluated runs, which the comparisons are over): {text.removeprefix('↗ ')} "
+            f"{int((~runs).sum())} of {len(runs)} runs are not converged "
             "(a client still improving at the last round, or the stop rule never held before the round "
             "ceiling). The whole comparison is conditional on it."
         )
