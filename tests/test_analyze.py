@@ -11,6 +11,7 @@ import yaml
 
 from pipeline import analyze
 from pipeline.common.schema import DataError
+from pipeline.results.claims import backbone_note
 from pipeline.results.kd_analysis import SELECTKD, kd_usage, word_updates
 
 NA = None
@@ -294,13 +295,13 @@ def test_read_json_reports_a_missing_or_bad_file_in_one_line(tmp_path):
     assert read_json(tmp_path / "ok.json") == {"clients": {}}
 
 
-def _analyze_one_selectkd_run(root, best_rounds, **params):
+def _analyze_one_selectkd_run(root, best_rounds, entry=None, **params):
     """The analyze stage (in ``root``, the working directory) over one main-study SelectKD run whose clients' best
-    rounds are ``best_rounds``; ``params`` at the top of params.yaml. Its kd_analysis.json."""
+    rounds are ``best_rounds`` (``entry``: its own keys); ``params`` at the top of params.yaml. Its kd_analysis.json."""
     write_experiment(root, "sel_s0", best_rounds, {"Product": (30, 10, 20), "Academic": (24, 6, 18)})
     (root / "data/processed").mkdir(parents=True)
     postags_table().to_parquet(root / "data/processed/postags.parquet")
-    run = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}
+    run = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"} | (entry or {})
     (root / "params.yaml").write_text(yaml.safe_dump(params | {"experiments": {"sel_s0": run}}))
     analyze.main([])
     return json.loads((root / "reports/analysis/kd_analysis.json").read_text())
@@ -317,6 +318,16 @@ def test_a_portable_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch
     assert 0.46 * math.log(50265) == pytest.approx(4.98, abs=0.01)
     for client in ("Product", "Academic"):
         assert res["clients"][client]["gate_inconsistent_tokens"] is None  # not checkable here; never a false count
+    # nor does the results text quote its KD usage "at tau = 0.46", an entropy it is not
+    assert res["tau"] is None and "of target words, the paper's" in backbone_note({"name": "b"}, res)
+
+
+def test_the_kd_record_and_the_results_text_give_the_main_runs_tau(tmp_path, monkeypatch):
+    # The KD usage kd_analysis.json holds and the results text quotes is the main study's SelectKD runs', at their
+    # tau: here the entry's own 3.0 nats, not the top-level 5.0 (which no main run reads).
+    monkeypatch.chdir(tmp_path)
+    res = _analyze_one_selectkd_run(tmp_path, {"Product": 2, "Academic": 1}, {"tau": 3.0}, tau=5.0)
+    assert res["tau"] == 3.0 and "of target words at tau = 3.0, the paper's" in backbone_note({"name": "b"}, res)
 
 
 def test_a_threshold_in_bits_is_placed_in_nats_on_the_sweep_axis():

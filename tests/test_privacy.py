@@ -61,6 +61,46 @@ def test_prv_accountant_agrees_with_rdp_within_its_slack():
     assert 0.7 * rdp < prv <= rdp  # PRV is the tighter accountant (Gopi et al. 2021)
 
 
+def test_prv_without_a_finite_bound_reports_rdps_and_names_it(ws, caplog):
+    """opacus' PRV accountant overflows at extreme settings (z 0.1, q 0.5, 50 steps; z 0.5, q 0.5, 1000 steps too):
+    inf, which the records wrote as epsilon null, "no bound", though the mechanism is noisy and RDP bounds it. The
+    run reports RDP's bound there (opacus' RDPAccountant called directly: never below a valid accountant's), names
+    the accountant that gave it and says so in one log line. By hand: two clients at train.fraction_train 0.5,
+    q = 1/2, 50 rounds at z = 0.1 (client-level DP); a client's 50 DP-SGD steps at z = 0.1, q = 1/2 (example-level),
+    whose epsilon the records' epsilon_max is."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    from pipeline.federation.protocol import load_plan
+    from pipeline.privacy.seam import client_level_summary, run_record
+    from tests.test_client_dp import _with_privacy
+    from tests.test_federated import write_plan
+
+    (prv := PRVAccountant()).history = [(0.1, 0.5, 50)]
+    (rdp := RDPAccountant()).history = [(0.1, 0.5, 50)]
+    assert prv.get_epsilon(delta=1e-5) == math.inf  # the library's own
+    expected = rdp.get_epsilon(delta=1e-5)
+    assert 100 < expected < math.inf
+    with caplog.at_level("WARNING"):
+        assert epsilon(0.1, 0.5, 50, 1e-5, "prv") == pytest.approx(expected, rel=1e-12)
+    assert any("PRV" in r.message and "RDP" in r.message and "1e-05" in r.message for r in caplog.records)
+    path = _with_privacy(
+        write_plan("prv-overflow", "fedavg", rounds=50, fraction_train=0.5),
+        {"mode": "client", "noise_multiplier": 0.1, "clipping_norm": 1.0, "accountant": "prv"},
+    )
+    history = [{"round": r, "client": c, "sampled": 0, "failed": 0} for r in range(1, 51) for c in ("A", "B")]
+    out = client_level_summary(load_plan(path), history, {"A": {}, "B": {}})
+    assert out["sample_rate"] == 0.5 and out["rounds_accounted"] == 50 and out["delta"] == 1e-5
+    assert out["epsilon"] == pytest.approx(expected, rel=1e-12) and out["accountant"] == "rdp"
+    # example-level DP: A's epsilon (the accountant's after its 50 steps, as its replies carry it) is epsilon_max
+    path = _with_privacy(
+        write_plan("prv-overflow-ex", "fedavg"), {"mode": "example", "noise_multiplier": 0.1, "accountant": "prv"}
+    )
+    dp = {"delta": 1e-5, "noise_multiplier": 0.1, "max_grad_norm": 1.0, "sample_rate": 0.5, "dp_examples": 1}
+    rows = [{"round": 1, "client": "A", "dp_steps": 50, "epsilon": expected, "dp_clipped": 0} | dp]
+    record = run_record(load_plan(path), rows, {"A": {}})["privacy"]
+    assert (record["epsilon_max"], record["accountant"], record["delta_max"]) == (expected, "rdp", 1e-5)
+
+
 def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
     assert epsilon(1.0, 0.5, 0, 1e-3) == 0.0
     assert epsilon(1.0, 0.5, 3, 1e-3) < epsilon(1.0, 0.5, 6, 1e-3)

@@ -540,3 +540,34 @@ def test_the_round_budget_marks_count_the_runs_whose_scores_the_row_holds(tmp_pa
     assert marks == {("fedavg", c): "–" for c in CLIENTS} | {("fedselectkd tau=5", c): "↗ 1/2" for c in CLIENTS}
     main = next((tmp_path / "reports/tables").glob("main_*.md")).read_text()
     assert "↗" not in main.split("## Paired comparisons")[0]
+
+
+def test_the_results_texts_round_budget_counts_the_evaluated_runs(tmp_path):
+    # The results text's comparisons are over the evaluated runs, as the tables' marks (d714659): fedavg seed 1,
+    # trained (its 3 clients best in their last round) but never evaluated, is in no comparison and in no count.
+    # By hand: fedavg 0 and SelectKD 0 evaluated, best in round 2 of 3 on Academic, 3 of 3 on Committee and Product:
+    # 4 of 6 client-runs, 2 of 2 runs not converged (before: 6 of 9, 3 of 3).
+    from pipeline.results.outputs import results_text
+    from tests.test_claims import _row
+
+    experiments = {}
+    for method, seed in (("fedavg", 0), ("fedavg", 1), ("fedselectkd", 0)):
+        name = f"{method}-s{seed}"
+        experiments[name] = {"method": method, "partition": f"domain/seed{seed}", "seed": seed, "study": "main"}
+        rounds = [
+            {"round": r, **{f"{c}/val_loss": 3.0 - r + 2 * (r == 3 and c == "Academic") for c in CLIENTS}}
+            for r in (1, 2, 3)
+        ]
+        (tmp_path / "train" / name).mkdir(parents=True)
+        (tmp_path / "train" / name / "rounds.json").write_text(json.dumps(rounds))
+        if seed == 0:
+            (d := tmp_path / "eval" / name).mkdir(parents=True)
+            (d / "metrics.json").write_text(json.dumps({"experiment": name, "clients": {}}))
+    compared = pd.DataFrame([_row(method_a="fedselectkd", method_b="fedavg", ci_low=-1.0, ci_high=1.0, n_seeds=1)])
+    inp = report_inputs({"tau": 5.0, "experiments": experiments})
+    budget = next(
+        r for r in results_text(inp, compared, tmp_path / "c.csv", tmp_path).splitlines() if "Round budget" in r
+    )
+    assert "evaluated runs" in budget
+    assert "4 of 6 client-runs had their best validation round in their last round (3)" in budget
+    assert "2 of 2 runs are not converged" in budget

@@ -290,7 +290,12 @@ def test_a_fixed_budget_run_marks_only_the_clients_whose_best_round_is_their_las
 
     plan = read_plan(write_plan("fixed-budget", "single", rounds=3))
     losses = {"A": [5.0, 4.0, 3.0], "B": [5.0, 4.0, 4.5]}
-    history = [{"round": r, "client": c, "val_loss": v[r - 1]} for r in (1, 2, 3) for c, v in losses.items()]
+    kept = {"A": [1, 2, 3], "B": [1, 2, 2]}  # the round of each client's adapter_best, which its replies report
+    history = [
+        {"round": r, "client": c, "val_loss": v[r - 1], "best_round": kept[c][r - 1]}
+        for r in (1, 2, 3)
+        for c, v in losses.items()
+    ]
     metrics = record_run(plan, history, [])
     got = run_convergence(Path("reports/train"), "fixed-budget")
     assert dict(zip(got["client"], got["best_is_last"])) == {"A": True, "B": False}
@@ -300,15 +305,21 @@ def test_a_fixed_budget_run_marks_only_the_clients_whose_best_round_is_their_las
 def test_a_nan_round_is_never_the_best_and_does_not_hide_the_rounds_after_it(ws):
     """A diverged validation (NaN) is never best (pipeline.training.checkpoints.keep_best_and_final keeps no adapter
     of it): the run's best round and each round's "best before" pass over it, and each client's recorded best is
-    the round whose adapter it kept. By hand: A's losses NaN, 4.0, 3.5, 3.5, 3.5 and B's 5.0, 4.0, 3.5, 3.5, 3.5;
-    the client averages NaN, 4.0, 3.5, 3.5, 3.5 improve by 12.5 %, 0, 0 on the best before from round 3 on."""
+    the round whose adapter it kept (its replies report it: 0 until A has a finite loss), at that round's loss. By
+    hand: A's losses NaN, 4.0, 3.5, 3.5, 3.5 and B's 5.0, 4.0, 3.5, 3.5, 3.5; the client averages NaN, 4.0, 3.5,
+    3.5, 3.5 improve by 12.5 %, 0, 0 on the best before from round 3 on."""
     from pipeline.experiments.plans import read_plan
     from pipeline.training.stopping import convergence, relative_improvements
     from pipeline.training.summary import summarize
 
     nan = float("nan")
     losses = {"A": [nan, 4.0, 3.5, 3.5, 3.5], "B": [5.0, 4.0, 3.5, 3.5, 3.5]}
-    history = [{"round": r, "client": c, "val_loss": v[r - 1]} for r in range(1, 6) for c, v in losses.items()]
+    kept = {"A": [0, 2, 3, 3, 3], "B": [1, 2, 3, 3, 3]}
+    history = [
+        {"round": r, "client": c, "val_loss": v[r - 1], "best_round": kept[c][r - 1]}
+        for r in range(1, 6)
+        for c, v in losses.items()
+    ]
     assert relative_improvements([nan, 4.0, 3.5, 3.5, 3.5])[1:] == pytest.approx([0.125, 0.0, 0.0])
     # rounds 4 and 5 gained nothing on 3.5, round 3 gained 12.5 % >= 0.5 %: patience 2 holds at round 5, not 3
     assert convergence(history, _stop(patience=2)) == {"stopped_round": 5, "best_round": 3, "converged": True}
@@ -376,7 +387,7 @@ def test_the_kd_fraction_to_the_best_round_is_undefined_where_no_token_was_train
     from pipeline.training.summary import summarize
 
     nan = float("nan")
-    history = [
+    rows = [
         {"round": 1, "client": "A", "sampled": 1, "n_tokens": 100, "kd_fraction": 0.3, "val_loss": nan},
         {"round": 1, "client": "B", "sampled": 0, "val_loss": 4.0},
         {"round": 1, "client": "C", "sampled": 1, "n_tokens": 100, "kd_fraction": 0.2, "val_loss": 3.0},
@@ -384,6 +395,8 @@ def test_the_kd_fraction_to_the_best_round_is_undefined_where_no_token_was_train
         {"round": 2, "client": "B", "sampled": 1, "n_tokens": 80, "kd_fraction": 0.25, "val_loss": 4.5},
         {"round": 2, "client": "C", "sampled": 1, "n_tokens": 50, "kd_fraction": 0.8, "val_loss": 2.0},
     ]
+    kept = [0, 1, 1, 0, 1, 2]  # the round of each reply's client's adapter_best, which the reply reports
+    history = [row | {"best_round": b} for row, b in zip(rows, kept, strict=True)]
     clients = summarize(read_plan(write_plan("kd-to-best", "fedselectkd", rounds=2)), history, [])["clients"]
     assert {c: clients[c]["best_round"] for c in "ABC"} == {"A": 0, "B": 1, "C": 2}
     assert clients["A"]["kd_fraction_to_best"] is None and clients["B"]["kd_fraction_to_best"] is None

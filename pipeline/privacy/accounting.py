@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -10,19 +11,34 @@ from functools import lru_cache
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.experiments.privacy import DEFAULT_DELTA, PrivacyConfig, SecAggConfig, wrap_problem
 
+log = logging.getLogger("fedmeet.privacy")
+
+
+def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> float:
+    return bound(noise_multiplier, q, steps, delta, accountant)[0]
+
 
 @lru_cache(maxsize=256)
-def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> float:
-    """(epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps (opacus' RDP or PRV accountant)."""
+def bound(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> tuple[float, str]:
+    """(epsilon, the accountant that gave it): (epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps
+    (opacus' RDP or PRV accountant; inf without noise). PRV's numerics overflow at extreme settings (z 0.5, q 0.5,
+    1000 steps: inf, where RDP gives ~904): RDP's bound, as valid, is then the one reported, named and logged."""
     if steps <= 0:
-        return 0.0
+        return 0.0, accountant
     if noise_multiplier <= 0:
-        return math.inf
+        return math.inf, accountant
     from opacus.accountants import create_accountant  # lazy for start-up time: importing opacus takes ~6 s
 
     acc = create_accountant(mechanism=accountant)
     acc.history = [(float(noise_multiplier), float(q), int(steps))]
-    return float(acc.get_epsilon(delta=float(delta)))
+    eps = float(acc.get_epsilon(delta=float(delta)))
+    if accountant == "prv" and not math.isfinite(eps):
+        eps, accountant = bound(noise_multiplier, q, steps, delta, "rdp")
+        log.warning(
+            f"PRV could not bound epsilon at z={noise_multiplier:g}, q={q:g}, {steps} steps, "
+            f"delta={delta:g}: RDP's bound {eps:.6g} is reported"
+        )
+    return eps, accountant
 
 
 @lru_cache(maxsize=64)
@@ -72,11 +88,15 @@ class FederationPrivacy:
         return self.sampled / self.population
 
     def epsilon_after(self, rounds: int) -> float:
-        """epsilon after ``rounds`` rounds, empty samples too (adaptive: the updates' and count's z combined)."""
+        return self.bound_after(rounds)[0]
+
+    def bound_after(self, rounds: int) -> tuple[float, str]:
+        """(epsilon, its accountant: :func:`bound`) after ``rounds`` rounds, empty samples too (adaptive: the
+        updates' and count's z combined)."""
         z = self.update_noise_multiplier
         if self.count_stddev is not None and z != 0:
             z = (z**-2 + self.count_stddev**-2) ** -0.5
-        return epsilon(z, self.sample_rate, rounds, self.delta, self.accountant)
+        return bound(z, self.sample_rate, rounds, self.delta, self.accountant)
 
 
 def federation_privacy(

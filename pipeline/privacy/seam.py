@@ -17,7 +17,7 @@ from flwr.client.mod import make_ffn
 from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.federation.protocol import DP_METRICS, load_plan, plan_path_of
-from pipeline.privacy.accounting import client_privacy, secure_sum_problem, server_setting
+from pipeline.privacy.accounting import bound, client_privacy, secure_sum_problem, server_setting
 from pipeline.privacy.client_dp import ClientLevelDP, client_dp_mod
 from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit, legacy_fit, secure_aggregation_mod
@@ -154,13 +154,16 @@ def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str,
     elif cfg is not None and cfg.enabled:
         reports = [c["privacy"] for c in clients.values() if "privacy" in c]
         eps = [r["epsilon"] for r in reports]
+        top = None if (not eps or None in eps) else max(reports, key=lambda r: r["epsilon"])
+        # the accountant that gave epsilon_max: RDP where PRV has no finite bound (accounting.bound)
+        at = (top["noise_multiplier"], top["sample_rate"], top["steps"], top["delta"]) if top else None
         # epsilon_max holds at delta_max: each client's (epsilon, delta) holds, so does the pair of the largest
         privacy = {
             "mode": cfg.mode,
-            "accountant": cfg.accountant,
+            "accountant": bound(*at, cfg.accountant)[1] if top else cfg.accountant,
             "sampling": "poisson",
             "target_epsilon": cfg.target_epsilon,
-            "epsilon_max": None if (not eps or None in eps) else max(eps),
+            "epsilon_max": top["epsilon"] if top else None,
             "delta_max": max((r["delta"] for r in reports), default=None),
         }
     if cfg is None or not cfg.secure_aggregation:
@@ -192,11 +195,11 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
     accounted = max((int(r.get("rounds_accounted", r["round"])) for r in history), default=0)  # a round redone: +1
     # Every round run consumed budget, an empty Poisson sample too: the accountant composes them all.
     setting = server_setting(plan, len({r["client"] for r in history})) if history else None
-    epsilon = setting.epsilon_after(accounted) if setting is not None else 0.0
+    epsilon, accountant = setting.bound_after(accounted) if setting is not None else (0.0, cfg.accountant)
     epsilon = None if epsilon == float("inf") else epsilon  # noise multiplier 0: no bound
     return {
         "mode": "client",
-        "accountant": cfg.accountant,
+        "accountant": accountant,  # the one that gave epsilon (RDP where PRV has no finite bound)
         "sampling": "poisson",  # each client joins a round independently with probability sample_rate
         "clipping": cfg.clipping,
         "clipping_side": cfg.clipping_side,

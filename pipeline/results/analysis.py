@@ -41,8 +41,8 @@ class AnalyzeConfig:
 
 
 class Analysis:
-    def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: ProjectPaths):
-        self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
+    def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], paths: ProjectPaths):
+        self.cfg, self.experiments, self.paths = cfg, experiments, paths
         self.figures = paths.analysis / "figures"
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
         # kd_analysis.json, never replaced by numbers
@@ -80,12 +80,13 @@ class Analysis:
         path = self.paths.eval_metrics(exp.name)
         return eval_scores(path) if self._present(exp, needed_for, path) else None
 
-    def main_study(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """Usage ratio, POS distribution and gate statistics per client; also returns per-experiment usage."""
+    def main_study(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], float | None]:
+        """Usage ratio, POS distribution and gate statistics per client; also returns per-experiment usage and the
+        runs' tau (None: none, or not an entropy threshold)."""
         usages = {e.name: u for e in self.main if (u := self.usage(e, "KD usage / POS analysis")) is not None}
         clients: dict[str, Any] = {}
         if not usages:
-            return clients, usages
+            return clients, usages, None
         all_words = pd.concat([u["words"].assign(experiment=n) for n, u in usages.items()])
         all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
         taus = sorted({e.tau for e in self.main if e.name in usages and e.tau is not None})
@@ -99,7 +100,7 @@ class Analysis:
             clients[client] = rec
             kd_analysis.plot_pos(client, rec, self.figures / f"pos_{slug(client)}.png")
             kd_analysis.plot_entropy(client, gate, rec, tau, self.figures / f"entropy_{slug(client)}.png")
-        return clients, usages
+        return clients, usages, tau
 
     def hardkd(self) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds, and their difference
@@ -147,7 +148,7 @@ class Analysis:
         self.figures.mkdir(parents=True, exist_ok=True)
         for old in self.figures.glob("*.png"):  # the stage owns this directory: no stale figures of removed clients
             old.unlink()
-        clients, usages = self.main_study()
+        clients, usages, tau = self.main_study()
         hardkd, sweep = self.hardkd(), self.tau_sweep(usages)
         missing = [
             {"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self.missing.items())
@@ -155,7 +156,7 @@ class Analysis:
         result = kd_analysis.json_safe(
             {
                 "word_rule": self.cfg.word_rule,
-                "tau": self.tau,
+                "tau": tau,  # the main study's SelectKD runs', whose KD usage "clients" holds
                 "paper": {
                     "kd_usage_ratio": KD_USAGE_RATIO,
                     "det_pron_share_of_no_kd": kd_analysis.PAPER_DET_PRON_SHARE_OF_NON_KD,

@@ -145,8 +145,9 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     clients = ((kd or {}).get("clients") or {}).values()
     if usage := [v["kd_usage_ratio"] for v in clients if v.get("kd_usage_ratio") is not None]:
         ours, paper = [round(100 * u) for u in usage], [round(100 * u) for u in published.KD_USAGE_RATIO.values()]
+        at = f" at tau = {kd['tau']}" if kd.get("tau") is not None else ""  # none: a portable gate, a margin
         text += (
-            f" Its selective KD distils on {min(ours)}-{max(ours)} % of target words at tau = {kd.get('tau')}, "
+            f" Its selective KD distils on {min(ours)}-{max(ours)} % of target words{at}, "
             f"the paper's on {min(paper)}-{max(paper)} %."
         )
     return text
@@ -329,12 +330,13 @@ def _variants(avg: pd.DataFrame) -> list[str]:
 
 
 def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFrame | None) -> str:
-    """``lines`` and the round-budget note of the studies the table covers, as markdown."""
+    """``lines`` and the round-budget note of the table's studies (``convergence``: their evaluated runs), markdown."""
     studies = sorted(set(table["study"]) | set(table["study_b"]))
     if text := convergence_note(convergence, studies):
         runs = run_verdicts(convergence[convergence["study"].isin(studies)])
         lines.append(
-            f"- **Round budget**: {text.removeprefix('↗ ')} {int((~runs).sum())} of {len(runs)} runs are not converged "
+            f"- **Round budget** (the evaluated runs, which the comparisons are over): {text.removeprefix('↗ ')} "
+            f"{int((~runs).sum())} of {len(runs)} runs are not converged "
             "(a client still improving at the last round, or the stop rule never held before the round "
             "ceiling). The whole comparison is conditional on it."
         )

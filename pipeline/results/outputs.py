@@ -89,7 +89,9 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
         json.loads(f.read_text()) if f.is_file() else None
         for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")
     ]
-    converged = convergence_table(inp.planned, inp.labels, root / "train")
+    # the round budget of the evaluated runs, whose scores the comparisons hold (as the tables' marks: write_tables)
+    evaluated = [p for p in inp.planned if (root / "eval" / p.name / "metrics.json").is_file()]
+    converged = convergence_table(evaluated, inp.labels, root / "train")
     # How AdaCentralized's steps were budgeted (its plan's `train.centralized_steps`)
     cfg, pooled = inp.cfg, [inp.train[e.name] for e in inp.planned if e.study == "main" and e.method == "centralized"]
     ratios = centralized_step_ratios(inp.planned, root / "train", inp.train)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.experiments.plans import Plan
-from pipeline.training.stopping import round_mean
+from pipeline.training.stopping import by_round, round_mean
 
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
@@ -79,21 +79,14 @@ def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def _by_round(history: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    by_round: dict[int, list[dict[str, Any]]] = {}
-    for row in history:
-        by_round.setdefault(int(row["round"]), []).append(row)
-    return by_round
-
-
 def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
     """Log the rounds of ``history`` the MLflow run lacks: a kill between a round's checkpoint and its logging
     leaves that round to the resumed run, which does not train it again. Returns the rounds logged."""
     logged = {m.step for m in logger.metric_history(ROUND_METRIC)}
-    by_round = _by_round(history)
-    missing = sorted(set(by_round) - logged)
+    rounds = by_round(history)
+    missing = sorted(set(rounds) - logged)
     for rnd in missing:
-        logger.log_metrics(round_metrics(by_round[rnd]), step=rnd)
+        logger.log_metrics(round_metrics(rounds[rnd]), step=rnd)
     return missing
 
 
@@ -101,7 +94,7 @@ def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     """``models/<exp>/rounds.json`` (the history rows) and ``reports/train/<exp>/rounds.json`` (DVC plots: one row
     per round, a column per client and quantity)."""
     atomic.write_json(Path(plan.paths["out_dir"]) / "rounds.json", history, indent=1)
-    wide = [{"round": rnd} | round_values(rows, "/") for rnd, rows in sorted(_by_round(history).items())]
+    wide = [{"round": rnd} | round_values(rows, "/") for rnd, rows in sorted(by_round(history).items())]
     atomic.write_json(Path(plan.paths["reports_dir"]) / "rounds.json", wide, indent=1)
 
 

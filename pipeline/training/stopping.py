@@ -5,7 +5,7 @@ fitted to its curve, is benchmarks/stop_rule.py's (a study-planning measure, not
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,15 +36,20 @@ def round_mean(rows: list[dict[str, Any]]) -> float:
     return float(np.mean(list(losses.values())))  # numpy's sum order
 
 
+def by_round(history: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Each round's rows, in the order of ``history``."""
+    rounds: dict[int, list[dict[str, Any]]] = {}
+    for row in history:
+        rounds.setdefault(int(row["round"]), []).append(row)
+    return rounds
+
+
 def mean_val_loss_by_round(
     history: list[dict[str, Any]], since: int = 1, before: int | None = None, exclude: str | None = None
 ) -> list[tuple[int, float]]:
     """(round, :func:`round_mean`) for the rounds ``since`` <= round < ``before``, without the rows of ``exclude``."""
-    by_round: dict[int, list[dict[str, Any]]] = {}
-    for row in history:
-        if since <= (rnd := int(row["round"])) and (before is None or rnd < before) and row["client"] != exclude:
-            by_round.setdefault(rnd, []).append(row)
-    return [(r, round_mean(rows)) for r, rows in sorted(by_round.items())]
+    rounds = sorted(by_round(row for row in history if row["client"] != exclude).items())
+    return [(r, round_mean(rows)) for r, rows in rounds if since <= r and (before is None or r < before)]
 
 
 def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:

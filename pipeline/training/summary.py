@@ -4,7 +4,6 @@ the same way by the train stage and by the deployed ServerApp."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +57,7 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         c = clients.setdefault(row["client"], {"best_round": 0, "best_val_loss": None} | dict.fromkeys(counters, 0))
         if (val := row.get("val_loss")) is not None:
             c["final_val_loss"] = val
-            if val < (math.inf if c["best_val_loss"] is None else c["best_val_loss"]):  # NaN: never best (its adapter)
-                c["best_val_loss"], c["best_round"] = val, row["round"]
-        if row.get("best_round", c["best_round"]) != c["best_round"]:  # the client kept another round's adapter:
-            c["best_round"], c["best_val_loss"] = row["best_round"], None  # that round's reply was lost or late
+            c["best_round"] = row["best_round"]  # the round the client's adapter_best is of, by its own losses
         c["rounds_trained"] += int(row.get("sampled", 0) and not row.get("failed", 0))
         c["rounds_failed"] += int(row.get("failed", 0))
         c["bytes_sent"] += int(row.get("bytes_down", 0))  # server -> client
@@ -70,7 +66,9 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
             c["n_train_examples"] = row["n_examples"]  # trained per round (capped in the CPU profile)
         if row.get("weight") is not None:
             c["fedavg_weight"] = row["weight"]  # |D_i| (train.weight_by: full) or the trained count
+    received = {(r["client"], r["round"]): r["val_loss"] for r in history if r.get("val_loss") is not None}
     for name, c in clients.items():
+        c["best_val_loss"] = received.get((name, c["best_round"]))  # None: that round's reply was lost or late
         upto = [r for r in history if r["client"] == name and r["round"] <= c["best_round"] and r.get("n_tokens")]
         tokens = sum(r["n_tokens"] for r in upto)
         kd_tokens = sum(r["n_tokens"] * r.get("kd_fraction", 0.0) for r in upto)
