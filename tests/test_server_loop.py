@@ -884,19 +884,21 @@ def test_replies_sent_by_the_superlink_for_an_offline_node_are_matched_to_their_
     from flwr.app import Message, RecordDict
 
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.protocol import replies_by_node
+    from pipeline.federation.protocol import replies_by_node, unanswered
 
     _set_server_identity(1)
     sent = []
-    for node, mid in ((7, "a"), (8, "b")):
+    for node, mid in ((9, "c"), (7, "a"), (8, "b"), (6, "d")):
         m = Message(RecordDict(), dst_node_id=node, message_type="train")
         m.metadata.__dict__["_message_id"] = mid
         sent.append(m)
-    by_node = Message(RecordDict(), reply_to=sent[0])
-    relayed = Message(RecordDict(), reply_to=sent[1])
+    by_node = Message(RecordDict(), reply_to=sent[1])
+    relayed = Message(RecordDict(), reply_to=sent[2])
     relayed.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, not the node's
     grid = SimpleNamespace(send_and_receive=lambda messages, timeout=None: [relayed, by_node])
-    assert replies_by_node(grid, sent, 5) == {8: relayed, 7: by_node}
+    replies = replies_by_node(grid, sent, 5)
+    assert replies == {8: relayed, 7: by_node}
+    assert unanswered(sent, replies) == [9, 6]  # 9 and 6 got no reply, in the order sent
 
 
 # ----------------------------------------------------------------------------------------------- admission

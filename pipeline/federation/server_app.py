@@ -33,6 +33,7 @@ from pipeline.federation.protocol import (
     payload_bytes,
     privacy_row,
     replies_by_node,
+    unanswered,
 )
 from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
@@ -225,13 +226,12 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         m.content[ARRAYS_KEY] = downlink
         r.rows[r.node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
     replies = replies_by_node(r.grid, messages, r.timeout)
-    why = {r.node_names[m.metadata.dst_node_id]: f"no reply within {r.timeout:.0f}s" for m in messages}
+    why = {r.node_names[n]: f"no reply within {r.timeout:.0f}s" for n in unanswered(messages, replies)}
     for node, reply in replies.items():
         row = r.rows[r.node_names[node]]
         if reply.has_error():
             why[row["client"]] = error_line(reply)
             continue
-        why.pop(row["client"], None)
         m = reply.content[METRICS_KEY]
         row.update(val_loss=float(m["val-loss"]), val_tokens=int(m["val-tokens"]), best_round=int(m["best-round"]))
     for name, reason in why.items():
@@ -285,7 +285,7 @@ def _train_in_the_clear(
         if r.client_level is not None:
             r.clipped[row["client"]] = update
         _record_train_metrics(row, reply.content[METRICS_KEY])
-    for node in (m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in replies):
+    for node in unanswered(messages, replies):
         _left_out(r, r.rows[r.node_names[node]], f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
     return r.strategy.aggregate_train(r.rnd, [reply for reply in replies.values() if id(reply) not in left_out])[0]
 
