@@ -2069,6 +2069,29 @@ def test_clients_returning_what_they_received_leave_every_strategy_at_the_lossy_
     assert_state(final, received, exact=False)
 
 
+def test_fedadams_float64_global_sent_as_fp32_is_the_reference_of_the_next_pseudo_gradient(ws, monkeypatch):
+    """Flower's FedAdam returns a float64 global (its bias-corrected step size is a NumPy float64), which fp32 sends
+    rounded to float32: the clients train from fl32(W), so, as under a lossy downlink, the next round's
+    pseudo-gradient is taken against what they received (Flower's FedOpt keeps it as current_arrays), not W."""
+    from pipeline.federation import server_app
+    from pipeline.federation.protocol import load_plan
+
+    built = []
+    real = server_app.build_strategy
+    monkeypatch.setattr(server_app, "build_strategy", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    adam = {"server_optimizer": "adam", "server_lr": 0.1}
+    path = write_plan("loop-fp32-fedadam", "fedopt", rounds=2, fraction_train=1.0, fedopt=adam)
+    script = Script()
+    final, _, _ = run(path, script)
+    assert load_plan(path).train.transfer_dtype == "fp32" and {v.dtype for v in final.values()} == {torch.float64}
+    received = [state for kind, _, rnd, state in script.calls if kind == "train" and rnd == 2]
+    assert len(received) == 3 and all(v.dtype == torch.float32 for v in received[0].values())
+    reference = built[0].current_arrays  # round 2's, the last configure_train's
+    assert reference.keys() == received[0].keys()
+    for k, v in received[0].items():
+        np.testing.assert_array_equal(reference[k], v.numpy(), err_msg=k)
+
+
 def test_fedavgm_takes_every_rounds_pseudo_gradient_against_the_lossy_downlink_not_only_the_first(ws):
     """int8, FedAvgM (server_lr 0.5, momentum 0.9), 3 rounds of constant client updates: by hand, each round
     the clients get s = q(W), return s + delta_c, the pseudo-gradient is g = s - sum_c p_c reply_c, m = g (round 1) or

@@ -139,10 +139,11 @@ def run_server(
         view = GridView(grid, admitted)  # a new client joins at its round
         # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
-        # The global goes encoded once; a lossy one's clients train from q(W), not W: their updates are against it.
+        # The global goes encoded once; a lossy one's clients train from q(W), not W: their updates are against it
+        # (fp32 too rounds a float64 W, Flower's FedAdam's, to the float32 the clients get).
         downlink = encode_global(state, plan)
-        sent = None if plan.train.transfer_dtype == "fp32" else decode_global(downlink, plan)  # as the clients decode
-        base = arrays if sent is None else ArrayRecord.from_torch_state_dict(sent)
+        sent = decode_global(downlink, plan)  # as the clients decode it
+        base = ArrayRecord.from_torch_state_dict(sent)
         # no node at all: nothing to configure (Flower's strategies would wait for one in a view that gets none); the
         # DP strategy draws an empty sample then and releases this round's global W plus its noise (it keeps W)
         messages = (
@@ -257,11 +258,11 @@ def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
 
 
 def _train_in_the_clear(
-    r: _Round, messages: list[Message], plan: Plan, base: ArrayRecord, sent: dict[str, torch.Tensor] | None
+    r: _Round, messages: list[Message], plan: Plan, base: ArrayRecord, sent: dict[str, torch.Tensor]
 ) -> ArrayRecord | None:
-    """The train step of a plain round from the global ``base`` (as the clients decode it; ``sent``: its tensors under
-    a lossy downlink, the delta-encoded replies' reference); under client-level DP each decoded update is checked
-    against this round's C and ``r.clipped`` gets (clipped or not, its norm) per client."""
+    """The train step of a plain round from the global ``base`` (as the clients decode it; ``sent``: its tensors, the
+    delta-encoded replies' reference); under client-level DP each decoded update is checked against this round's C
+    and ``r.clipped`` gets (clipped or not, its norm) per client."""
     replies = replies_by_node(r.grid, messages, r.timeout)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
     for node, reply in replies.items():
