@@ -884,19 +884,21 @@ def test_replies_sent_by_the_superlink_for_an_offline_node_are_matched_to_their_
     from flwr.app import Message, RecordDict
 
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.protocol import replies_by_node
+    from pipeline.federation.protocol import replies_by_node, unanswered
 
     _set_server_identity(1)
     sent = []
-    for node, mid in ((7, "a"), (8, "b")):
+    for node, mid in ((9, "c"), (7, "a"), (8, "b"), (6, "d")):
         m = Message(RecordDict(), dst_node_id=node, message_type="train")
         m.metadata.__dict__["_message_id"] = mid
         sent.append(m)
-    by_node = Message(RecordDict(), reply_to=sent[0])
-    relayed = Message(RecordDict(), reply_to=sent[1])
+    by_node = Message(RecordDict(), reply_to=sent[1])
+    relayed = Message(RecordDict(), reply_to=sent[2])
     relayed.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, not the node's
     grid = SimpleNamespace(send_and_receive=lambda messages, timeout=None: [relayed, by_node])
-    assert replies_by_node(grid, sent, 5) == {8: relayed, 7: by_node}
+    replies = replies_by_node(grid, sent, 5)
+    assert replies == {8: relayed, 7: by_node}
+    assert unanswered(sent, replies) == [9, 6]  # 9 and 6 got no reply, in the order sent
 
 
 # ----------------------------------------------------------------------------------------------- admission
@@ -2065,6 +2067,29 @@ def test_clients_returning_what_they_received_leave_every_strategy_at_the_lossy_
     for got in [state for kind, _, _, state in script.calls if kind == "train"]:
         assert_state(got, received, exact=False)
     assert_state(final, received, exact=False)
+
+
+def test_fedadams_float64_global_sent_as_fp32_is_the_reference_of_the_next_pseudo_gradient(ws, monkeypatch):
+    """Flower's FedAdam returns a float64 global (its bias-corrected step size is a NumPy float64), which fp32 sends
+    rounded to float32: the clients train from fl32(W), so, as under a lossy downlink, the next round's
+    pseudo-gradient is taken against what they received (Flower's FedOpt keeps it as current_arrays), not W."""
+    from pipeline.federation import server_app
+    from pipeline.federation.protocol import load_plan
+
+    built = []
+    real = server_app.build_strategy
+    monkeypatch.setattr(server_app, "build_strategy", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    adam = {"server_optimizer": "adam", "server_lr": 0.1}
+    path = write_plan("loop-fp32-fedadam", "fedopt", rounds=2, fraction_train=1.0, fedopt=adam)
+    script = Script()
+    final, _, _ = run(path, script)
+    assert load_plan(path).train.transfer_dtype == "fp32" and {v.dtype for v in final.values()} == {torch.float64}
+    received = [state for kind, _, rnd, state in script.calls if kind == "train" and rnd == 2]
+    assert len(received) == 3 and all(v.dtype == torch.float32 for v in received[0].values())
+    reference = built[0].current_arrays  # round 2's, the last configure_train's
+    assert reference.keys() == received[0].keys()
+    for k, v in received[0].items():
+        np.testing.assert_array_equal(reference[k], v.numpy(), err_msg=k)
 
 
 def test_fedavgm_takes_every_rounds_pseudo_gradient_against_the_lossy_downlink_not_only_the_first(ws):

@@ -34,6 +34,7 @@ from pipeline.federation.protocol import (
     load_plan,
     plan_path_of,
     replies_by_node,
+    unanswered,
 )
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_adapter, save_adapter
@@ -113,7 +114,7 @@ def federated_evaluate(
     received = {
         str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies.values() if not r.has_error()
     }
-    failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in replies}
+    failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in unanswered(queries, replies)}
     # The plan's clients only (a refused node answers too), in the evaluate stage's (partition's) order so means add
     # up alike; a plan without declared clients: names as the clients gave them (the server holds no partition file).
     order = list(plan.clients) if plan.clients else sorted(received)

@@ -161,6 +161,11 @@ def replies_by_node(grid: Grid, messages: list[Message], timeout: float | None) 
     return {node[r.metadata.reply_to_message_id]: r for r in replies}
 
 
+def unanswered(messages: list[Message], replies: dict[int, Message]) -> list[int]:
+    """The nodes ``messages`` went to that ``replies`` (replies_by_node's) has no reply of, in the messages' order."""
+    return [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in replies]
+
+
 def error_line(reply: Message) -> str:
     """A failed reply's reason, its first line (a client's is one line, docs/privacy.md), or its code if it has none."""
     return reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"

@@ -27,13 +27,13 @@ from pipeline.federation.protocol import (
     client_settings_config,
     decode_global,
     decode_reply,
-    delta_encoded,
     encode_global,
     error_line,
     load_plan,
     payload_bytes,
     privacy_row,
     replies_by_node,
+    unanswered,
 )
 from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
@@ -100,9 +100,10 @@ def run_server(
     declared = list(plan.clients) if plan.clients else client_names(plan)
     sizes: dict[str, dict[str, int]] = {}
     ckpt = load_server_checkpoint(plan)  # none: the run starts over, and tells each client so at admission
-    timeout = admission_timeout_s or round_timeout_s
     # the run's node -> client map, current each round (connected_nodes); a deployed evaluation asks these nodes only
-    node_names = recorder.nodes = identify_clients(grid, plan_path, declared, timeout, sizes, start_over=ckpt is None)
+    node_names = recorder.nodes = identify_clients(
+        grid, plan_path, declared, admission_timeout_s or round_timeout_s, sizes, start_over=ckpt is None
+    )
     clients = sorted(node_names.values())
     late = t.new_client if spec.new_client == "post" else None
     if late is not None and late not in clients:
@@ -138,13 +139,11 @@ def run_server(
         view = GridView(grid, admitted)  # a new client joins at its round
         # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
-        # The global goes encoded once; a lossy one's clients train from q(W), not W: their updates are against it.
+        # The global goes encoded once; a lossy one's clients train from q(W), not W: their updates are against it
+        # (fp32 too rounds a float64 W, Flower's FedAdam's, to the float32 the clients get).
         downlink = encode_global(state, plan)
-        base = (
-            arrays
-            if plan.train.transfer_dtype == "fp32"
-            else ArrayRecord.from_torch_state_dict(decode_global(downlink, plan))
-        )
+        sent = decode_global(downlink, plan)  # as the clients decode it
+        base = ArrayRecord.from_torch_state_dict(sent)
         # no node at all: nothing to configure (Flower's strategies would wait for one in a view that gets none); the
         # DP strategy draws an empty sample then and releases this round's global W plus its noise (it keeps W)
         messages = (
@@ -157,7 +156,7 @@ def run_server(
         rows = _round_rows(rnd, messages, admitted, set(clients) - set(connected.values()) - waiting, node_names)
         exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s, client_level, clipping_norm)
         if secure is None:
-            new_arrays = _train_in_the_clear(exchange, messages, plan, base)
+            new_arrays = _train_in_the_clear(exchange, messages, plan, base, sent)
         else:
             new_arrays = _train_secure(secure, exchange, messages)
 
@@ -228,13 +227,12 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         m.content[ARRAYS_KEY] = downlink
         r.rows[r.node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
     replies = replies_by_node(r.grid, messages, r.timeout)
-    why = {r.node_names[m.metadata.dst_node_id]: f"no reply within {r.timeout:.0f}s" for m in messages}
+    why = {r.node_names[n]: f"no reply within {r.timeout:.0f}s" for n in unanswered(messages, replies)}
     for node, reply in replies.items():
         row = r.rows[r.node_names[node]]
         if reply.has_error():
             why[row["client"]] = error_line(reply)
             continue
-        why.pop(row["client"], None)
         m = reply.content[METRICS_KEY]
         row.update(val_loss=float(m["val-loss"]), val_tokens=int(m["val-tokens"]), best_round=int(m["best-round"]))
     for name, reason in why.items():
@@ -259,10 +257,12 @@ def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
     log.warning("round %d: client %s is left out of the aggregate: %s", r.rnd, row["client"], why)
 
 
-def _train_in_the_clear(r: _Round, messages: list[Message], plan: Plan, base: ArrayRecord) -> ArrayRecord | None:
-    """The train step of a plain round from the global ``base`` (as the clients decode it); under client-level DP each
-    decoded update is checked against this round's C and ``r.clipped`` gets (clipped or not, its norm) per client."""
-    sent = base.to_torch_state_dict() if delta_encoded(plan) else None  # the delta-encoded replies' reference
+def _train_in_the_clear(
+    r: _Round, messages: list[Message], plan: Plan, base: ArrayRecord, sent: dict[str, torch.Tensor]
+) -> ArrayRecord | None:
+    """The train step of a plain round from the global ``base`` (as the clients decode it; ``sent``: its tensors, the
+    delta-encoded replies' reference); under client-level DP each decoded update is checked against this round's C
+    and ``r.clipped`` gets (clipped or not, its norm) per client."""
     replies = replies_by_node(r.grid, messages, r.timeout)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
     for node, reply in replies.items():
@@ -286,7 +286,7 @@ def _train_in_the_clear(r: _Round, messages: list[Message], plan: Plan, base: Ar
         if r.client_level is not None:
             r.clipped[row["client"]] = update
         _record_train_metrics(row, reply.content[METRICS_KEY])
-    for node in (m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in replies):
+    for node in unanswered(messages, replies):
         _left_out(r, r.rows[r.node_names[node]], f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
     return r.strategy.aggregate_train(r.rnd, [reply for reply in replies.values() if id(reply) not in left_out])[0]
 
