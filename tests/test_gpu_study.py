@@ -352,6 +352,34 @@ def test_a_resumed_call_on_a_bare_machine_says_so_in_one_line(tmp_path):
     assert "fresh machine" in json.loads((out / "study.json").read_text())["error"]
 
 
+def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp_path):
+    """A resumed call keeps the study call's workspace, and with it that call's copy of pipeline/ and tools/, which
+    the stages run: a fix committed between the calls (a study call that failed early in a stage, then resumed with
+    what the lease has left) was not what ran; the resumed call ran the old copy and failed the same way. It must
+    refuse in one line (study.json's error) when the copy differs from the checkout the call was sent with, and go
+    on when it is the same."""
+    repo, work, out = tmp_path / "checkout", tmp_path / "work", tmp_path / "out"
+    for path, text in {"pipeline/stage.py": "X = 1\n", "tools/gpu_study/device.py": "Y = 1\n"}.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    for top in ("pipeline", "tools"):
+        shutil.copytree(repo / top, work / "repo" / top)
+    (work / "repo/pipeline/__pycache__").mkdir()  # what the stages' imports leave there: not code that differs
+    (work / "repo/pipeline/__pycache__/stage.cpython-312.pyc").write_bytes(b"compiled")
+    params = {"ingest": {"datasets": []}, "partition": {"schemes": [], "seeds": []}, "experiments": {}}
+    (work / "repo/params.yaml").write_text(yaml.safe_dump(params))
+    finished = ["install", "workspace", *(name for name, _ in device.stage_commands(params))]
+    study = {"profile": "p", "budget_s": 60, "device": {}, "steps": [{"step": s, "status": "ok"} for s in finished]}
+    (work / "study.json").write_text(json.dumps(study | {"seconds": 1, "complete": False}))
+    resume = dict(budget_s=60, repo=repo, resume=True)
+    (repo / "pipeline/stage.py").write_text("X = 2\n")  # the fix, committed after the study call
+    with pytest.raises(SystemExit, match=r"work/repo: its pipeline/ and tools/ are not the checkout's.*no --resume"):
+        device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)
+    assert "not the checkout's" in json.loads((out / "study.json").read_text())["error"]
+    (repo / "pipeline/stage.py").write_text("X = 1\n")
+    assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
+
+
 def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     """A finished KD run publishes models/<exp>/gate_log.parquet: a row per trained target token per round (~9 bytes
     a row as parquet; QMSum's 1,095 training examples of up to 96 target tokens: ~0.7 MiB a round), so the study's

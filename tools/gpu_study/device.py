@@ -55,7 +55,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = REPO / "configs/gpu-study.yaml"
@@ -65,6 +65,7 @@ MAX_FILES = 8
 RESERVE_S = 20  # kept for packing the results when the budget is cut
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 STAGE_DIR = Path("/tmp/gpu-study-stage")  # parts of the carry sent by an earlier call (outside the synced tree)
+CODE = ("pipeline", "tools")  # what make_workspace copies of the checkout: the code the stages run
 
 
 # --------------------------------------------------------------------------- the MiniLM weights, packed for travel
@@ -240,8 +241,8 @@ def make_workspace(repo: Path, work: Path, carry: Path, profile: Path) -> dict[s
 
     if work.exists():
         shutil.rmtree(work)
-    shutil.copytree(repo / "pipeline", work / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(repo / "tools", work / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    for top in CODE:
+        shutil.copytree(repo / top, work / top, ignore=shutil.ignore_patterns("__pycache__"))
     params = merge_profile(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(profile.read_text()))
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, width=4096))
     with tarfile.open(carry / "raw.tar.gz") as tar:
@@ -428,6 +429,21 @@ class Steps:
             return all(list(pool.map(lambda lane: self.lane(lane, cwd, env), lanes)))
 
 
+def code_hash(root: Path) -> str:
+    """sha256 of the files (path and bytes) under ``root``'s :data:`CODE` folders, bytecode caches left out."""
+    digest = hashlib.sha256()
+    for path in sorted(p for top in CODE for p in (root / top).rglob("*") if "__pycache__" not in p.parts):
+        if path.is_file():
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def refuse(out: Path, error: str) -> NoReturn:
+    """A call that cannot go on: the one-line ``error`` in the study.json it returns, and its exit."""
+    (out / "study.json").write_text(json.dumps({"complete": False, "error": error}) + "\n")
+    raise SystemExit(error)
+
+
 def run_study(
     carry: Path,
     out: Path,
@@ -449,9 +465,9 @@ def run_study(
     site, repo_dir, minilm = work / "site", work / "repo", work / "minilm"
     log_path = work / "log.txt"
     if resume and not (work / "study.json").is_file():  # the machine went back: nothing to go on from, no carry
-        error = f"{work}: no earlier call's study.json: a fresh machine (a resumed call needs the study call's, warm)"
-        (out / "study.json").write_text(json.dumps({"complete": False, "error": error}) + "\n")
-        raise SystemExit(error)
+        refuse(
+            out, f"{work}: no earlier call's study.json: a fresh machine (a resumed call needs the study call's, warm)"
+        )
     earlier = json.loads((work / "study.json").read_text()) if resume else None
     work.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"profile": profile.name, "budget_s": budget_s, "device": device_info(), "steps": []}
@@ -459,6 +475,13 @@ def run_study(
     if earlier:
         record["earlier_calls"] = earlier.pop("earlier_calls", []) + [earlier]
         done = {s["step"] for call in record["earlier_calls"] for s in call["steps"] if s["status"] == "ok"}
+    # the stages run the workspace's copy of the code (made by the call that ran `workspace`), never this checkout's
+    if {"install", "workspace"} <= done and code_hash(repo_dir) != code_hash(repo):
+        refuse(
+            out,
+            f"{repo_dir}: its pipeline/ and tools/ are not the checkout's this call was sent with (changed since the "
+            f"call that made it): resumed, the stages would run the old code; send a study call (no --resume)",
+        )
     smi = None
     with log_path.open("a" if earlier else "w") as log:
         if shutil.which("nvidia-smi"):
