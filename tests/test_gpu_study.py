@@ -733,3 +733,54 @@ def test_a_staging_call_that_finds_no_weight_parts_fails_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"stage1: no weights\.part\* to stage"):
         device.stage(tmp_path / ".gpu-study/stage1", stage_dir=tmp_path / "staged")
     assert not (tmp_path / "staged").exists()
+
+
+def test_importing_a_cut_call_then_the_finished_one_logs_each_run_once(tmp_path, monkeypatch):
+    """A run that finished in the study call is in both the cut call's files and the resumed call's (not trained
+    again: byte for byte the same record), and docs/gpu-lease.md imports whatever call came back: each import made a
+    new MLflow run of it, two runs of one training in the study (and its evaluation, which only the finished call
+    has, in the newer one). An import logs each run once: the second finds it and logs only the evaluation into it,
+    and a third changes nothing."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri := f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))
+    exp, dest = "fedavg-domain-s0", tmp_path / "gpu-study"
+    names = {"params.yaml": "params.yaml", f"models/plans/{exp}.json": f"runs/{exp}/experiment.json"}
+    names["data/partitions/domain/seed0.json"] = "partitions/domain/seed0.json"
+    with tarfile.open(ROOT / "reports/bench/gpu-study-call/results.tar.gz") as tar:
+        for name, target in names.items():
+            (dest / target).parent.mkdir(parents=True, exist_ok=True)
+            (dest / target).write_bytes(tar.extractfile(name).read())
+    cpu = ROOT / "reports/cpu-study"  # a finished run's records (the same clients)
+    metrics = json.loads((cpu / "train" / exp / "metrics.json").read_text())  # the stop outcome models/ adds
+    metrics |= {"converged": False, "stopped_round": metrics["rounds"], "best_round": metrics["rounds"]}
+    for folder in (dest / "runs" / exp, dest / "train" / exp):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+    rows = []  # models/<exp>/rounds.json: a row per round and client (the report's: a row per round)
+    for report_row in json.loads((cpu / "train" / exp / "rounds.json").read_text()):
+        by_client: dict[str, dict] = {}
+        for key, value in report_row.items():
+            if "/" in key:
+                by_client.setdefault(key.split("/")[0], {})[key.split("/")[1]] = value
+        rows += [{"round": report_row["round"], "client": c, **fields} for c, fields in by_client.items()]
+    (dest / "runs" / exp / "rounds.json").write_text(json.dumps(rows))
+    client = MlflowClient(tracking_uri=uri)
+
+    def runs() -> list:
+        found = []
+        for e in client.search_experiments():
+            found += client.search_runs([e.experiment_id], f"tags.experiment = '{exp}'")
+        return [r for r in found if "mlflow.parentRunId" not in r.data.tags]  # the clients' runs nest under it
+
+    first = importer.log_runs(dest, "gpu")  # the cut call: trained, not evaluated
+    assert len(runs()) == 1 and "client_avg/avg_ROUGE" not in runs()[0].data.metrics
+    (dest / "eval" / exp).mkdir(parents=True)  # the finished call: its evaluation too
+    shutil.copy(cpu / "eval" / exp / "metrics.json", dest / "eval" / exp / "metrics.json")
+    assert importer.log_runs(dest, "gpu") == first
+    (run,) = runs()
+    assert run.info.run_id == first[0] and "client_avg/avg_ROUGE" in run.data.metrics
+    histories = {k: len(client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
+    assert importer.log_runs(dest, "gpu") == first  # once more: nothing new
+    assert {k: len(client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics} == histories
