@@ -380,6 +380,32 @@ def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp
     assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
 
 
+def test_carried_wheels_whose_requirements_the_image_does_not_meet_fail_the_install_step(tmp_path):
+    """The wheels install with --no-deps beside the image's packages (docs/gpu-lease.md), so flwr's pins on what the
+    image has (protobuf, grpcio, typer) were checked nowhere: an image outside them failed only when the train step
+    first imported flwr, after the data stages and the backbone's warm-up. The install step now checks every
+    carried wheel's requirements against what the stages will import (the carried site first, then the image's),
+    and fails in one line naming them; a requirement of an extra, or of a package the study never runs (uv), is no
+    requirement there."""
+    import importlib.metadata
+    import zipfile
+
+    have = importlib.metadata.version("pytest")  # a package of this interpreter: the image's here
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    meta = "Metadata-Version: 2.1\nName: needs-old\nVersion: 1.0\nRequires-Dist: pytest<1\n"
+    meta += "Requires-Dist: uv>=0.12\nRequires-Dist: ray==2.55.1; extra == 'simulation'\nRequires-Dist: pytest>=1\n"
+    with zipfile.ZipFile(wheels / "needs_old-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr("needs_old/__init__.py", "")
+        whl.writestr("needs_old-1.0.dist-info/METADATA", meta)
+        whl.writestr("needs_old-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr("needs_old-1.0.dist-info/RECORD", "")
+    with (tmp_path / "log.txt").open("w") as log:
+        rc = device.install_wheels(wheels, site, log)
+    assert (site / "needs_old").is_dir()  # installed, and refused
+    assert rc == f"needs-old 1.0 needs pytest<1, here pytest {have}"
+
+
 def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     """A finished KD run publishes models/<exp>/gate_log.parquet: a row per trained target token per round (~9 bytes
     a row as parquet; QMSum's 1,095 training examples of up to 96 target tokens: ~0.7 MiB a round), so the study's

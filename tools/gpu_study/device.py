@@ -226,13 +226,40 @@ def evaluate_all(experiments: list[str], params_path: str = "params.yaml") -> No
         evaluate_experiments(experiments, cfg, mlflow_logging=False, bootstrap=bootstrap)
 
 
-def install_wheels(wheels: Path, site: Path, log) -> int:
+# Each installed wheel's requirements against what a stage imports (``argv[1]``, the carried site, first; then the
+# image's): the unmet ones on one line. Not those of an extra, nor of the packages ``argv[2:]`` the study never runs.
+UNMET = """
+import importlib.metadata as md, sys
+from packaging.requirements import Requirement
+unmet = []
+for dist in md.distributions(path=[sys.argv[1]]):
+    for req in map(Requirement, dist.requires or []):
+        if req.name in sys.argv[2:] or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            have = None
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            unmet.append(f"{dist.name} {dist.version} needs {req}, here {req.name} {have or '(none)'}")
+print("; ".join(sorted(unmet)))
+"""
+UNUSED = ("uv",)  # required by flwr, never run by the study (tools/gpu_study/prepare.py does not carry it)
+
+
+def install_wheels(wheels: Path, site: Path, log) -> int | str:
+    """0, or pip's status, or the carried wheels' requirements the image's packages do not meet (a protobuf outside
+    flwr's pins would fail only at the train step's first import of flwr, after the data stages and the backbone)."""
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not found:
         print(f"no wheels in {wheels}: the current Python's packages are used", file=log, flush=True)
         return 0
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target"]
-    return subprocess.run([*cmd, str(site), *map(str, found)], stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc := subprocess.run([*cmd, str(site), *map(str, found)], stdout=log, stderr=subprocess.STDOUT).returncode:
+        return rc
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    check = [sys.executable, "-c", UNMET, str(site), *UNUSED]
+    return subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.strip() or 0
 
 
 def make_workspace(repo: Path, work: Path, carry: Path, profile: Path) -> dict[str, Any]:
