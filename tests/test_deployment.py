@@ -911,6 +911,42 @@ def test_the_federated_evaluation_scores_only_the_clients_the_plan_declares(ws):
     assert fed["mean"]["avg_rouge"] == pytest.approx((30.0 + 20.0 + 10.0) / 3)
 
 
+def test_a_node_answering_as_another_client_than_it_was_admitted_as_gives_no_score(ws):
+    """Under --auth a SuperNode restarted with the same key and plan but another client-name (here the node admitted
+    as Academic, now 'Committee') keeps its node id, so the run's node map still holds it as Academic. Its summarize
+    reply named Committee, and the evaluation keyed the replies by the name each gave: two 'Committee' scores, one
+    silently dropped (the real Committee's when it came first), Academic 'gone or failed' with no failure named. The
+    node's reply must count as failed, naming both names, and Committee's score be its own node's."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        counts = {"n": 4, "n_test": 4, "skipped_by_subsampling": 0}
+        metrics = MetricRecord({k: float(context.node_config["score"]) for k in SCORE_KEYS} | counts)
+        identity = ConfigRecord({"client-name": context.node_config["client-name"]})
+        return Message(RecordDict({"identity": identity, "metrics": metrics}), reply_to=msg)
+
+    path = write_plan("dep-renamed", "fedavg")
+    plan = load_plan(path)
+    nodes = [("Committee", 99.0), ("Committee", 20.0), ("Product", 10.0)]  # the first was admitted as Academic
+    grid = InProcessGrid(app, [{"client-name": c, "plan": path, "score": s} for c, s in nodes])
+    _set_server_identity(grid.run.run_id)
+    renamed, committee, product = sorted(grid.get_node_ids(), key=lambda n: -grid.contexts[n].node_config["score"])
+    admitted = {renamed: "Academic", committee: "Committee", product: "Product"}
+    fed = federated_evaluate(grid, plan, path, EvaluateConfig(), timeout=5, nodes=admitted)
+    assert {c: v["avg_rouge"] for c, v in fed["clients"].items()} == {"Committee": 20.0, "Product": 10.0}
+    assert list(fed["skipped_clients"]) == ["Academic"]
+    assert fed["failed_clients"] == {f"node {renamed}": "it answers as client 'Committee', admitted as 'Academic'"}
+
+
 def _scoring_app():
     """A ClientApp whose every client answers query.summarize with 10 for each score over 4 test examples."""
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict

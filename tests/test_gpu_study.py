@@ -352,6 +352,60 @@ def test_a_resumed_call_on_a_bare_machine_says_so_in_one_line(tmp_path):
     assert "fresh machine" in json.loads((out / "study.json").read_text())["error"]
 
 
+def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp_path):
+    """A resumed call keeps the study call's workspace, and with it that call's copy of pipeline/ and tools/, which
+    the stages run: a fix committed between the calls (a study call that failed early in a stage, then resumed with
+    what the lease has left) was not what ran; the resumed call ran the old copy and failed the same way. It must
+    refuse in one line (study.json's error) when the copy differs from the checkout the call was sent with, and go
+    on when it is the same."""
+    repo, work, out = tmp_path / "checkout", tmp_path / "work", tmp_path / "out"
+    for path, text in {"pipeline/stage.py": "X = 1\n", "tools/gpu_study/device.py": "Y = 1\n"}.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    for top in ("pipeline", "tools"):
+        shutil.copytree(repo / top, work / "repo" / top)
+    (work / "repo/pipeline/__pycache__").mkdir()  # what the stages' imports leave there: not code that differs
+    (work / "repo/pipeline/__pycache__/stage.cpython-312.pyc").write_bytes(b"compiled")
+    params = {"ingest": {"datasets": []}, "partition": {"schemes": [], "seeds": []}, "experiments": {}}
+    (work / "repo/params.yaml").write_text(yaml.safe_dump(params))
+    finished = ["install", "workspace", *(name for name, _ in device.stage_commands(params))]
+    study = {"profile": "p", "budget_s": 60, "device": {}, "steps": [{"step": s, "status": "ok"} for s in finished]}
+    (work / "study.json").write_text(json.dumps(study | {"seconds": 1, "complete": False}))
+    resume = dict(budget_s=60, repo=repo, resume=True)
+    (repo / "pipeline/stage.py").write_text("X = 2\n")  # the fix, committed after the study call
+    with pytest.raises(SystemExit, match=r"work/repo: its pipeline/ and tools/ are not the checkout's.*no --resume"):
+        device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)
+    assert "not the checkout's" in json.loads((out / "study.json").read_text())["error"]
+    (repo / "pipeline/stage.py").write_text("X = 1\n")
+    assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
+
+
+def test_carried_wheels_whose_requirements_the_image_does_not_meet_fail_the_install_step(tmp_path):
+    """The wheels install with --no-deps beside the image's packages (docs/gpu-lease.md), so flwr's pins on what the
+    image has (protobuf, grpcio, typer) were checked nowhere: an image outside them failed only when the train step
+    first imported flwr, after the data stages and the backbone's warm-up. The install step now checks every
+    carried wheel's requirements against what the stages will import (the carried site first, then the image's),
+    and fails in one line naming them; a requirement of an extra, or of a package the study never runs (uv), is no
+    requirement there."""
+    import importlib.metadata
+    import zipfile
+
+    have = importlib.metadata.version("pytest")  # a package of this interpreter: the image's here
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    meta = "Metadata-Version: 2.1\nName: needs-old\nVersion: 1.0\nRequires-Dist: pytest<1\n"
+    meta += "Requires-Dist: uv>=0.12\nRequires-Dist: ray==2.55.1; extra == 'simulation'\nRequires-Dist: pytest>=1\n"
+    with zipfile.ZipFile(wheels / "needs_old-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr("needs_old/__init__.py", "")
+        whl.writestr("needs_old-1.0.dist-info/METADATA", meta)
+        whl.writestr("needs_old-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr("needs_old-1.0.dist-info/RECORD", "")
+    with (tmp_path / "log.txt").open("w") as log:
+        rc = device.install_wheels(wheels, site, log)
+    assert (site / "needs_old").is_dir()  # installed, and refused
+    assert rc == f"needs-old 1.0 needs pytest<1, here pytest {have}"
+
+
 def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     """A finished KD run publishes models/<exp>/gate_log.parquet: a row per trained target token per round (~9 bytes
     a row as parquet; QMSum's 1,095 training examples of up to 96 target tokens: ~0.7 MiB a round), so the study's
@@ -705,3 +759,54 @@ def test_a_staging_call_that_finds_no_weight_parts_fails_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"stage1: no weights\.part\* to stage"):
         device.stage(tmp_path / ".gpu-study/stage1", stage_dir=tmp_path / "staged")
     assert not (tmp_path / "staged").exists()
+
+
+def test_importing_a_cut_call_then_the_finished_one_logs_each_run_once(tmp_path, monkeypatch):
+    """A run that finished in the study call is in both the cut call's files and the resumed call's (not trained
+    again: byte for byte the same record), and docs/gpu-lease.md imports whatever call came back: each import made a
+    new MLflow run of it, two runs of one training in the study (and its evaluation, which only the finished call
+    has, in the newer one). An import logs each run once: the second finds it and logs only the evaluation into it,
+    and a third changes nothing."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri := f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))
+    exp, dest = "fedavg-domain-s0", tmp_path / "gpu-study"
+    names = {"params.yaml": "params.yaml", f"models/plans/{exp}.json": f"runs/{exp}/experiment.json"}
+    names["data/partitions/domain/seed0.json"] = "partitions/domain/seed0.json"
+    with tarfile.open(ROOT / "reports/bench/gpu-study-call/results.tar.gz") as tar:
+        for name, target in names.items():
+            (dest / target).parent.mkdir(parents=True, exist_ok=True)
+            (dest / target).write_bytes(tar.extractfile(name).read())
+    cpu = ROOT / "reports/cpu-study"  # a finished run's records (the same clients)
+    metrics = json.loads((cpu / "train" / exp / "metrics.json").read_text())  # the stop outcome models/ adds
+    metrics |= {"converged": False, "stopped_round": metrics["rounds"], "best_round": metrics["rounds"]}
+    for folder in (dest / "runs" / exp, dest / "train" / exp):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+    rows = []  # models/<exp>/rounds.json: a row per round and client (the report's: a row per round)
+    for report_row in json.loads((cpu / "train" / exp / "rounds.json").read_text()):
+        by_client: dict[str, dict] = {}
+        for key, value in report_row.items():
+            if "/" in key:
+                by_client.setdefault(key.split("/")[0], {})[key.split("/")[1]] = value
+        rows += [{"round": report_row["round"], "client": c, **fields} for c, fields in by_client.items()]
+    (dest / "runs" / exp / "rounds.json").write_text(json.dumps(rows))
+    client = MlflowClient(tracking_uri=uri)
+
+    def runs() -> list:
+        found = []
+        for e in client.search_experiments():
+            found += client.search_runs([e.experiment_id], f"tags.experiment = '{exp}'")
+        return [r for r in found if "mlflow.parentRunId" not in r.data.tags]  # the clients' runs nest under it
+
+    first = importer.log_runs(dest, "gpu")  # the cut call: trained, not evaluated
+    assert len(runs()) == 1 and "client_avg/avg_ROUGE" not in runs()[0].data.metrics
+    (dest / "eval" / exp).mkdir(parents=True)  # the finished call: its evaluation too
+    shutil.copy(cpu / "eval" / exp / "metrics.json", dest / "eval" / exp / "metrics.json")
+    assert importer.log_runs(dest, "gpu") == first
+    (run,) = runs()
+    assert run.info.run_id == first[0] and "client_avg/avg_ROUGE" in run.data.metrics
+    histories = {k: len(client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
+    assert importer.log_runs(dest, "gpu") == first  # once more: nothing new
+    assert {k: len(client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics} == histories

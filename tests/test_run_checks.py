@@ -394,3 +394,23 @@ def test_a_plan_in_the_run_config_of_the_local_command_is_refused_not_served_to_
     status = run_cli(cli.main, argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and "--run-config 'plan'" in err[0] and "--plan" in err[0], err
+
+
+def test_a_flwr_cli_call_that_outruns_its_timeout_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    """`flwr ls` (the status command, the local command's check after its run) and `flwr supernode register` wait
+    at most a timeout for the CLI; a CLI that does not answer (a SuperLink that accepts but never replies) raised
+    subprocess.TimeoutExpired, a traceback. The standard is one line naming the command and the wait."""
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "flwr").write_text("#!/bin/sh\nsleep 30\n")
+    (bin_dir / "flwr").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))  # localhost.flwr runs the CLI beside it
+    real_run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: real_run(*a, **kw | {"timeout": 0.5}))
+    assert run_cli(cli.main, ["status", "fedmeet", "--run-id", "7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: `flwr ls` did not answer within ")

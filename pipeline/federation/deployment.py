@@ -111,9 +111,11 @@ def federated_evaluate(
     ]
     replies = replies_by_node(grid, queries, timeout)
     failed = {f"node {n}": error_line(r) for n, r in replies.items() if r.has_error()}
-    received = {
-        str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies.values() if not r.has_error()
-    }
+    named = {n: str(r.content["identity"]["client-name"]) for n, r in replies.items() if not r.has_error()}
+    # under --auth a SuperNode restarted with another client-name keeps its node id, and with it its admitted client
+    wrong = {n: c for n, c in named.items() if nodes is not None and nodes.get(n, c) != c}
+    failed |= {f"node {n}": f"it answers as client {c!r}, admitted as {nodes[n]!r}" for n, c in wrong.items()}
+    received = {c: replies[n].content[METRICS_KEY] for n, c in named.items() if n not in wrong}
     failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in unanswered(queries, replies)}
     # The plan's clients only (a refused node answers too), in the evaluate stage's (partition's) order so means add
     # up alike; a plan without declared clients: names as the clients gave them (the server holds no partition file).

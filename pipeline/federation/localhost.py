@@ -79,10 +79,15 @@ def server_run_config(params_file: str, experiment: str) -> dict[str, str | floa
     }
 
 
-def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    """A ``flwr`` CLI command (the CLI beside this interpreter, whatever PATH says), its output captured."""
+def flwr(*args: str, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """A ``flwr`` CLI command (the CLI beside this interpreter, whatever PATH says), its output captured; one that
+    does not end within ``timeout`` seconds (a SuperLink that never answers) is a FederationError."""
     cli = Path(sys.executable).parent / "flwr"
-    return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
+    try:
+        argv = [str(cli) if cli.exists() else "flwr", *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired:
+        raise FederationError(f"`flwr {args[0]}` did not answer within {timeout:g}s: {' '.join(args)}") from None
 
 
 def close_left_running(workdir: Path, plan, reason: str) -> None:

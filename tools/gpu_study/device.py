@@ -55,7 +55,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = REPO / "configs/gpu-study.yaml"
@@ -65,6 +65,7 @@ MAX_FILES = 8
 RESERVE_S = 20  # kept for packing the results when the budget is cut
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 STAGE_DIR = Path("/tmp/gpu-study-stage")  # parts of the carry sent by an earlier call (outside the synced tree)
+CODE = ("pipeline", "tools")  # what make_workspace copies of the checkout: the code the stages run
 
 
 # --------------------------------------------------------------------------- the MiniLM weights, packed for travel
@@ -225,13 +226,40 @@ def evaluate_all(experiments: list[str], params_path: str = "params.yaml") -> No
         evaluate_experiments(experiments, cfg, mlflow_logging=False, bootstrap=bootstrap)
 
 
-def install_wheels(wheels: Path, site: Path, log) -> int:
+# Each installed wheel's requirements against what a stage imports (``argv[1]``, the carried site, first; then the
+# image's): the unmet ones on one line. Not those of an extra, nor of the packages ``argv[2:]`` the study never runs.
+UNMET = """
+import importlib.metadata as md, sys
+from packaging.requirements import Requirement
+unmet = []
+for dist in md.distributions(path=[sys.argv[1]]):
+    for req in map(Requirement, dist.requires or []):
+        if req.name in sys.argv[2:] or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            have = None
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            unmet.append(f"{dist.name} {dist.version} needs {req}, here {req.name} {have or '(none)'}")
+print("; ".join(sorted(unmet)))
+"""
+UNUSED = ("uv",)  # required by flwr, never run by the study (tools/gpu_study/prepare.py does not carry it)
+
+
+def install_wheels(wheels: Path, site: Path, log) -> int | str:
+    """0, or pip's status, or the carried wheels' requirements the image's packages do not meet (a protobuf outside
+    flwr's pins would fail only at the train step's first import of flwr, after the data stages and the backbone)."""
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not found:
         print(f"no wheels in {wheels}: the current Python's packages are used", file=log, flush=True)
         return 0
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target"]
-    return subprocess.run([*cmd, str(site), *map(str, found)], stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc := subprocess.run([*cmd, str(site), *map(str, found)], stdout=log, stderr=subprocess.STDOUT).returncode:
+        return rc
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    check = [sys.executable, "-c", UNMET, str(site), *UNUSED]
+    return subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.strip() or 0
 
 
 def make_workspace(repo: Path, work: Path, carry: Path, profile: Path) -> dict[str, Any]:
@@ -240,8 +268,8 @@ def make_workspace(repo: Path, work: Path, carry: Path, profile: Path) -> dict[s
 
     if work.exists():
         shutil.rmtree(work)
-    shutil.copytree(repo / "pipeline", work / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(repo / "tools", work / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    for top in CODE:
+        shutil.copytree(repo / top, work / top, ignore=shutil.ignore_patterns("__pycache__"))
     params = merge_profile(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(profile.read_text()))
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, width=4096))
     with tarfile.open(carry / "raw.tar.gz") as tar:
@@ -428,6 +456,21 @@ class Steps:
             return all(list(pool.map(lambda lane: self.lane(lane, cwd, env), lanes)))
 
 
+def code_hash(root: Path) -> str:
+    """sha256 of the files (path and bytes) under ``root``'s :data:`CODE` folders, bytecode caches left out."""
+    digest = hashlib.sha256()
+    for path in sorted(p for top in CODE for p in (root / top).rglob("*") if "__pycache__" not in p.parts):
+        if path.is_file():
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def refuse(out: Path, error: str) -> NoReturn:
+    """A call that cannot go on: the one-line ``error`` in the study.json it returns, and its exit."""
+    (out / "study.json").write_text(json.dumps({"complete": False, "error": error}) + "\n")
+    raise SystemExit(error)
+
+
 def run_study(
     carry: Path,
     out: Path,
@@ -449,9 +492,9 @@ def run_study(
     site, repo_dir, minilm = work / "site", work / "repo", work / "minilm"
     log_path = work / "log.txt"
     if resume and not (work / "study.json").is_file():  # the machine went back: nothing to go on from, no carry
-        error = f"{work}: no earlier call's study.json: a fresh machine (a resumed call needs the study call's, warm)"
-        (out / "study.json").write_text(json.dumps({"complete": False, "error": error}) + "\n")
-        raise SystemExit(error)
+        refuse(
+            out, f"{work}: no earlier call's study.json: a fresh machine (a resumed call needs the study call's, warm)"
+        )
     earlier = json.loads((work / "study.json").read_text()) if resume else None
     work.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"profile": profile.name, "budget_s": budget_s, "device": device_info(), "steps": []}
@@ -459,6 +502,13 @@ def run_study(
     if earlier:
         record["earlier_calls"] = earlier.pop("earlier_calls", []) + [earlier]
         done = {s["step"] for call in record["earlier_calls"] for s in call["steps"] if s["status"] == "ok"}
+    # the stages run the workspace's copy of the code (made by the call that ran `workspace`), never this checkout's
+    if {"install", "workspace"} <= done and code_hash(repo_dir) != code_hash(repo):
+        refuse(
+            out,
+            f"{repo_dir}: its pipeline/ and tools/ are not the checkout's this call was sent with (changed since the "
+            f"call that made it): resumed, the stages would run the old code; send a study call (no --resume)",
+        )
     smi = None
     with log_path.open("a" if earlier else "w") as log:
         if shutil.which("nvidia-smi"):

@@ -12,7 +12,8 @@ last two possibly cut into ``.partN`` pieces). The import
    The gate logs stay out (they hold client token ids);
 2. logs each experiment's training into the MLflow store (pipeline.results.tracking: its plan as params, every round,
    the closing metrics and convergence tags, its records as artifacts) and then its evaluation into that run
-   (pipeline.results.evaluation.log_to_mlflow, as the evaluate stage does);
+   (pipeline.results.evaluation.log_to_mlflow, as the evaluate stage does); each run once, whichever call's files
+   bring it (an earlier import of a cut call's: only the evaluation it lacked is added);
 3. writes the tables and ``comparisons.csv`` with the report stage's ``rebuild`` (pipeline.report.rebuild_study) and
    a README whose facts (device, wall time per step) come from study.json.
 """
@@ -20,6 +21,7 @@ last two possibly cut into ``.partN`` pieces). The import
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import re
@@ -90,13 +92,22 @@ def unpack(returned: Path, dest: Path) -> dict[str, Any]:
     return study
 
 
+IMPORTED = "gpu_study.record"  # a run's tag: the sha256 of the run records it was imported from
+EVALUATED = "gpu_study.evaluation"  # and of the evaluation logged into it
+
+
+def digest(*files: Path) -> str:
+    return hashlib.sha256(b"\0".join(f.read_bytes() for f in files)).hexdigest()
+
+
 def log_runs(dest: Path, device: str) -> list[str]:
-    """Each experiment's training and evaluation into the MLflow store; returns the run ids."""
+    """Each experiment's training and evaluation into the MLflow store, each run once however many calls' files
+    bring it (tags :data:`IMPORTED`, :data:`EVALUATED`); returns the run ids."""
     from pipeline.common.config import from_dict, load_params
     from pipeline.experiments.plans import read_plan
     from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.results.readers import run_converged
-    from pipeline.results.tracking import RunLogger, run_name
+    from pipeline.results.tracking import RunLogger, _client, experiment_id, run_name
     from pipeline.train import run_tags
     from pipeline.training.history import log_missing_rounds
     from pipeline.training.summary import convergence_tags, final_run_metrics
@@ -106,26 +117,34 @@ def log_runs(dest: Path, device: str) -> list[str]:
     ids = []
     for run_dir in sorted((dest / "runs").glob("*")):  # none when every run was cut before it finished
         plan = read_plan(run_dir / "experiment.json")
-        logger = RunLogger.start(
-            plan.study,
-            run_name(plan.experiment),
-            plan.to_json_dict(),
-            run_tags(plan) | {"device": device, "imported_from": str(dest)},
-            partition=dest / "partitions" / f"{plan.partition}.json",
-        )
-        metrics = json.loads((run_dir / "metrics.json").read_text())
-        log_missing_rounds(logger, json.loads((run_dir / "rounds.json").read_text()))
-        logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
-        logger.set_tags(convergence_tags(metrics))
-        for f in sorted(run_dir.glob("*.json")):
-            logger.log_artifact(f)
-        logger.finish("FINISHED")
+        record = digest(*sorted(run_dir.glob("*.json")))
+        # a run that finished in a cut call comes back unchanged with the resumed call's files: imported once
+        found = _client().search_runs([experiment_id(plan.study)], f"tags.`{IMPORTED}` = '{record}'")
+        tags = found[0].data.tags if found else {}
+        if not found:
+            logger = RunLogger.start(
+                plan.study,
+                run_name(plan.experiment),
+                plan.to_json_dict(),
+                run_tags(plan) | {"device": device, "imported_from": str(dest)},
+                partition=dest / "partitions" / f"{plan.partition}.json",
+            )
+            metrics = json.loads((run_dir / "metrics.json").read_text())
+            log_missing_rounds(logger, json.loads((run_dir / "rounds.json").read_text()))
+            logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
+            logger.set_tags(convergence_tags(metrics) | {IMPORTED: record})  # last: a run cut mid-import is redone
+            for f in sorted(run_dir.glob("*.json")):
+                logger.log_artifact(f)
+            logger.finish("FINISHED")
+        run_id = found[0].info.run_id if found else logger.run_id
         eval_dir = dest / "eval" / plan.experiment
-        if (eval_dir / "metrics.json").is_file():
+        evaluated = digest(eval_dir / "metrics.json") if (eval_dir / "metrics.json").is_file() else None
+        if evaluated not in (None, tags.get(EVALUATED)):  # into this run, once (the cut call may have had none)
             evaluation = json.loads((eval_dir / "metrics.json").read_text())
             converged = run_converged(dest / "train", plan.experiment)
-            log_to_mlflow(plan.to_json_dict(), evaluation, eval_dir, cfg, converged)
-        ids.append(logger.run_id)
+            log_to_mlflow(plan.to_json_dict() | {"mlflow_run_id": run_id}, evaluation, eval_dir, cfg, converged)
+            _client().set_tag(run_id, EVALUATED, evaluated)
+        ids.append(run_id)
     return ids
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from tools.gpu_study.device import PROFILE, REPO, merge_profile, pack_weights
+from tools.gpu_study.device import PROFILE, REPO, UNUSED, merge_profile, pack_weights
 
 HERE = Path(__file__).resolve().parent
 MiB = 1024 * 1024
@@ -47,10 +47,10 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + 
 REQUIREMENTS = ("flwr", "pydantic", "rouge-score")
 # Published only as sdists: built into (pure-Python) wheels here first.
 BUILD_HERE = ("rouge-score==0.1.2",)
-# Required by flwr but never run by the study: uv (17.8 MB) is the binary Flower's CLI builds app environments with;
-# the in-process engine the train stage runs imports none of it (checked by importing the stages' Flower modules
-# without it, docs/gpu-lease.md).
-SKIP = {"uv"}
+# Required by flwr but never run by the study (device.UNUSED): uv (17.8 MB) is the binary Flower's CLI builds app
+# environments with; the in-process engine the train stage runs imports none of it (checked by importing the stages'
+# Flower modules without it, docs/gpu-lease.md).
+SKIP = set(UNUSED)
 PY_SPY = "0.4.3"  # the sampler a resumed call carries (its wheel holds one static executable)
 
 
