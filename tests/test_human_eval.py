@@ -189,3 +189,31 @@ def test_the_case_study_uses_the_lowest_seed_at_which_fedavg_and_selectkd_both_h
     case = (tmp_path / "reports/tables/case_study.md").read_text()
     assert case.count("`fedavg-s1`") == case.count("`fedselectkd-s1`") == 3 and "fedselectkd-s0" not in case
     assert json.loads((tmp_path / "reports/human_eval/sheets/summary.json").read_text())["run_seed"] == 0
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda k: k.pop("target"), r"key\.json: 'target' missing or not a str"),
+        (lambda k: k.pop("items"), r"key\.json: 'items' missing or not a dict"),
+        (lambda k: k.update(items=[]), r"key\.json: 'items' missing or not a dict"),
+        (lambda k: k["items"].update(item0001="A"), r"key\.json: items\['item0001'\]: 'A'; expected the fields"),
+        (  # KeyEntry's seven fields less target_side
+            lambda k: k["items"]["item0001"].pop("target_side"),
+            r"key\.json: items\['item0001'\]: fields \['domain', 'example_id', 'opponent', 'opponent_experiment', "
+            r"'target', 'target_experiment'\]; expected",
+        ),
+        (lambda k: k["items"]["item0001"].update(target_side="C"), r"key\.json: items\['item0001'\]: target_side 'C'"),
+        (
+            lambda k: k["items"]["item0001"].update(extra=1),
+            r"key\.json: items\['item0001'\]: fields \['domain', 'example_id', 'extra'",
+        ),
+    ],
+)
+def test_a_malformed_key_is_one_line_naming_the_file_and_item(tmp_path, edit, problem):
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
+    key = json.loads((tmp_path / "key.json").read_text())
+    edit(key)
+    (tmp_path / "key.json").write_text(json.dumps(key))
+    with pytest.raises(DataError, match=problem):
+        score_sheets(tmp_path)

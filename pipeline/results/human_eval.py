@@ -220,11 +220,27 @@ function download() {
     )
 
 
+def _read_key(path: Path) -> tuple[dict[str, Any], dict[str, KeyEntry]]:
+    """key.json and its entries by item id; a key lacking them, or a malformed entry, is a one-line DataError."""
+    data = read_json(path, "answer key (the report stage writes it next to the blank sheets)")
+    for name, kind in (("target", str), ("items", dict)):
+        if not isinstance(data.get(name), kind):
+            raise DataError(f"{path}: {name!r} missing or not a {kind.__name__} (not a report stage's answer key)")
+    names, key = sorted(f.name for f in fields(KeyEntry)), {}
+    for item, entry in data["items"].items():
+        if not isinstance(entry, dict) or sorted(entry) != names:
+            got = f"fields {sorted(entry)}" if isinstance(entry, dict) else repr(entry)
+            raise DataError(f"{path}: items[{item!r}]: {got}; expected the fields {names}")
+        if entry["target_side"] not in ("A", "B"):
+            raise DataError(f"{path}: items[{item!r}]: target_side {entry['target_side']!r}; expected 'A' or 'B'")
+        key[item] = KeyEntry(**entry)
+    return data, key
+
+
 def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     """Win/tie/loss of the key's target against each opponent over every filled ``sheet*.csv`` (blank: not judged)."""
     sheet_dir = Path(sheet_dir)
-    data = read_json(sheet_dir / "key.json", "answer key (the report stage writes it next to the blank sheets)")
-    key = {k: KeyEntry(**v) for k, v in data["items"].items()}
+    data, key = _read_key(sheet_dir / "key.json")
     files = sorted(sheet_dir.glob("sheet*.csv"))
     if not files:
         raise DataError(f"{sheet_dir}: no sheet*.csv files to score")
