@@ -148,7 +148,7 @@ def make_sheets(
     pairs = [(ex, opp) for ex in chosen for opp in opponents]
     rng.shuffle(pairs)  # annotators must not see one method's items in a block
     rows: list[dict[str, str]] = []
-    key: dict[str, KeyEntry] = {}
+    items: dict[str, dict[str, str]] = {}  # key.json's: item id -> its KeyEntry
     for idx, (ex, opp) in enumerate(pairs):
         t, o = predictions[target][ex], predictions[opp][ex]
         target_side = rng.choice(("A", "B"))
@@ -156,10 +156,9 @@ def make_sheets(
         item_id = f"item{idx + 1:04d}"
         sheet_row = (item_id, t.domain, queries.get(ex, ""), t.reference, a.prediction, b.prediction, "", "")
         rows.append(dict(zip(SHEET_COLUMNS[:-1], sheet_row, strict=True)))
-        key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
+        items[item_id] = asdict(KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment))
     # the kit's id (a hash of what it shows and of its answers) in every row and key.json: score_sheets refuses a
     # sheet of another kit (another build's summaries, seed or runs), whose items have the same ids
-    items = {k: asdict(v) for k, v in key.items()}
     kit = hashlib.sha256(json.dumps([rows, items]).encode()).hexdigest()[:12]
     rows = [r | {"kit": kit} for r in rows]
 
