@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -88,8 +89,10 @@ def test_round_trip_counts(tmp_path):
     for r in rows:
         r["judgement"] = judgement.get(r["item_id"], "")
     write_sheet(tmp_path / "sheet.csv", rows, fields=list(rows[0]))
-    # A second annotator, in the HTML page's download format (item_id, judgement): SelectKD always wins.
-    write_sheet(tmp_path / "sheet_bob.csv", [{"item_id": i, "judgement": key[i]["target_side"]} for i in fedavg_items])
+    # A second annotator, in the HTML page's download format (item_id, judgement, kit): SelectKD always wins.
+    kit = rows[0]["kit"]
+    bob = [{"item_id": i, "judgement": key[i]["target_side"], "kit": kit} for i in fedavg_items]
+    write_sheet(tmp_path / "sheet_bob.csv", bob, fields=("item_id", "judgement", "kit"))
 
     results = score_sheets(tmp_path)
     assert results["target"] == "fedselectkd"
@@ -137,10 +140,9 @@ def test_malformed_sheet_is_one_line_naming_the_file(tmp_path, text, problem):
 def test_an_item_twice_in_one_sheet_is_an_error(tmp_path):
     # One annotator's sheet judging an item twice (rows pasted twice) must not count it twice: 1 judged item, not 2.
     make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
-    first = read_sheet(tmp_path / "sheet.csv")[0]["item_id"]
-    write_sheet(
-        tmp_path / "sheet_ann.csv", [{"item_id": first, "judgement": "A"}, {"item_id": first, "judgement": "B"}]
-    )
+    first = read_sheet(tmp_path / "sheet.csv")[0]
+    write_sheet(tmp_path / "sheet_ann.csv", [first | {"judgement": "A"}, first | {"judgement": "B"}], list(first))
+    first = first["item_id"]
     with pytest.raises(DataError, match=rf"sheet_ann\.csv:3: {first} is judged again \(first on line 2\)"):
         score_sheets(tmp_path)
 
@@ -189,3 +191,61 @@ def test_the_case_study_uses_the_lowest_seed_at_which_fedavg_and_selectkd_both_h
     case = (tmp_path / "reports/tables/case_study.md").read_text()
     assert case.count("`fedavg-s1`") == case.count("`fedselectkd-s1`") == 3 and "fedselectkd-s0" not in case
     assert json.loads((tmp_path / "reports/human_eval/sheets/summary.json").read_text())["run_seed"] == 0
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda k: k.pop("target"), r"key\.json: 'target' missing or not a str"),
+        (lambda k: k.pop("kit"), r"key\.json: 'kit' missing or not a str"),  # a key written before kits had ids
+        (lambda k: k.pop("items"), r"key\.json: 'items' missing or not a dict"),
+        (lambda k: k.update(items=[]), r"key\.json: 'items' missing or not a dict"),
+        (lambda k: k["items"].update(item0001="A"), r"key\.json: items\['item0001'\]: 'A'; expected the fields"),
+        (  # KeyEntry's seven fields less target_side
+            lambda k: k["items"]["item0001"].pop("target_side"),
+            r"key\.json: items\['item0001'\]: fields \['domain', 'example_id', 'opponent', 'opponent_experiment', "
+            r"'target', 'target_experiment'\]; expected",
+        ),
+        (lambda k: k["items"]["item0001"].update(target_side="C"), r"key\.json: items\['item0001'\]: target_side 'C'"),
+        (
+            lambda k: k["items"]["item0001"].update(extra=1),
+            r"key\.json: items\['item0001'\]: fields \['domain', 'example_id', 'extra'",
+        ),
+    ],
+)
+def test_a_malformed_key_is_one_line_naming_the_file_and_item(tmp_path, edit, problem):
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
+    key = json.loads((tmp_path / "key.json").read_text())
+    edit(key)
+    (tmp_path / "key.json").write_text(json.dumps(key))
+    with pytest.raises(DataError, match=problem):
+        score_sheets(tmp_path)
+
+
+def test_a_sheet_of_another_kit_is_refused_in_one_line_naming_it(tmp_path):
+    # Kits of another human_eval_seed (another key) and of another build (one summary changed, same key) share the
+    # item ids item0001..: their filled sheets were scored against this key's sides, silently. Each sheet row and the
+    # HTML page's download carry the kit's id (key.json's), and a sheet of another kit is refused.
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
+    other_seed, other_build = tmp_path / "seed1", tmp_path / "build2"
+    make_sheets(predictions(), other_seed, ReportConfig(human_eval_per_domain=1, human_eval_seed=1), {}, {})
+    rebuilt = predictions()
+    rebuilt["fedavg"] = {ex: replace(p, prediction=f"retrained {p.prediction}") for ex, p in rebuilt["fedavg"].items()}
+    make_sheets(rebuilt, other_build, ReportConfig(human_eval_per_domain=1), {}, {})
+    kit = json.loads((tmp_path / "key.json").read_text())["kit"]
+    assert {r["kit"] for r in read_sheet(tmp_path / "sheet.csv")} == {kit}
+    assert f"data-kit='{kit}'" in (page := (tmp_path / "sheet.html").read_text()) and "item_id,judgement,kit" in page
+    for other in (other_seed, other_build):
+        other_kit = json.loads((other / "key.json").read_text())["kit"]
+        assert other_kit != kit
+        rows = [r | {"judgement": "A"} for r in read_sheet(other / "sheet.csv")]
+        write_sheet(tmp_path / "sheet_other.csv", rows, fields=list(rows[0]))
+        with pytest.raises(DataError, match=rf"sheet_other\.csv:2: kit '{other_kit}', not key\.json's '{kit}'"):
+            score_sheets(tmp_path)
+    # The HTML page's download (item_id, judgement, kit) of this kit is scored
+    write_sheet(
+        tmp_path / "sheet_other.csv",
+        [{"item_id": "item0001", "judgement": "tie", "kit": kit}],
+        ("item_id", "judgement", "kit"),
+    )
+    assert score_sheets(tmp_path)["judged_per_file"]["sheet_other.csv"] == 1

@@ -4,8 +4,10 @@ human-evaluation kit (METHOD.md section 7.12): blind pairwise sheets (which side
 
 from __future__ import annotations
 
+import hashlib
 import html
 import itertools
+import json
 import random
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, fields
@@ -23,7 +25,7 @@ from pipeline.results.readers import read_json, read_predictions
 from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
 from pipeline.results.tables import ReportConfig
 
-SHEET_COLUMNS = ("item_id", "domain", "query", "reference", "summary_A", "summary_B", "judgement", "comment")
+SHEET_COLUMNS = ("item_id", "domain", "query", "reference", "summary_A", "summary_B", "judgement", "comment", "kit")
 OUTCOMES = ("win", "tie", "loss")
 JUDGEMENTS = {"a": "A", "b": "B", "tie": "tie", "t": "tie", "=": "tie", "same": "tie"}
 
@@ -146,20 +148,23 @@ def make_sheets(
     pairs = [(ex, opp) for ex in chosen for opp in opponents]
     rng.shuffle(pairs)  # annotators must not see one method's items in a block
     rows: list[dict[str, str]] = []
-    key: dict[str, KeyEntry] = {}
+    items: dict[str, dict[str, str]] = {}  # key.json's: item id -> its KeyEntry
     for idx, (ex, opp) in enumerate(pairs):
         t, o = predictions[target][ex], predictions[opp][ex]
         target_side = rng.choice(("A", "B"))
         a, b = (t, o) if target_side == "A" else (o, t)
         item_id = f"item{idx + 1:04d}"
         sheet_row = (item_id, t.domain, queries.get(ex, ""), t.reference, a.prediction, b.prediction, "", "")
-        rows.append(dict(zip(SHEET_COLUMNS, sheet_row, strict=True)))
-        key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
+        rows.append(dict(zip(SHEET_COLUMNS[:-1], sheet_row, strict=True)))
+        items[item_id] = asdict(KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment))
+    # the kit's id (a hash of what it shows and of its answers) in every row and key.json: score_sheets refuses a
+    # sheet of another kit (another build's summaries, seed or runs), whose items have the same ids
+    kit = hashlib.sha256(json.dumps([rows, items]).encode()).hexdigest()[:12]
+    rows = [r | {"kit": kit} for r in rows]
 
     atomic.to_csv(pd.DataFrame(rows, columns=SHEET_COLUMNS), out / "sheet.csv", index=False, lineterminator="\r\n")
-    atomic.write_text(out / "sheet.html", _html_page(rows))
-    items = {k: asdict(v) for k, v in key.items()}
-    atomic.write_json(out / "key.json", {"target": target, "seed": seed, "items": items})
+    atomic.write_text(out / "sheet.html", _html_page(rows, kit))
+    atomic.write_json(out / "key.json", {"target": target, "seed": seed, "kit": kit, "items": items})
     summary = {
         "target": target,
         "opponents": opponents,
@@ -174,8 +179,8 @@ def make_sheets(
     return summary
 
 
-def _html_page(rows: list[dict[str, str]]) -> str:
-    """A static page: every item with radio buttons; a button downloads item_id,judgement as CSV."""
+def _html_page(rows: list[dict[str, str]], kit: str) -> str:
+    """A static page: every item with radio buttons; a button downloads item_id,judgement,kit as CSV."""
     esc = html.escape
     items = []
     for r in rows:
@@ -195,10 +200,10 @@ def _html_page(rows: list[dict[str, str]]) -> str:
     script = """
 function download() {
   const name = (document.getElementById('annotator').value || 'anonymous').replace(/[^A-Za-z0-9_-]/g, '_');
-  let csv = 'item_id,judgement\\n';
+  let csv = 'item_id,judgement,kit\\n';
   document.querySelectorAll('section.item').forEach(s => {
     const c = s.querySelector('input:checked');
-    csv += s.id + ',' + (c ? c.value : '') + '\\n';
+    csv += s.id + ',' + (c ? c.value : '') + ',' + document.body.dataset.kit + '\\n';
   });
   const a = document.createElement('a');
   a.href = URL.createObjectURL(new Blob([csv], {type: 'text/csv'}));
@@ -209,7 +214,8 @@ function download() {
         "<!doctype html><html><head><meta charset='utf-8'><title>fedmeet human evaluation</title>"
         "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
         ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
-        "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head><body>"
+        "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head>"
+        f"<body data-kit='{esc(kit)}'>"
         "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
         "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
         "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
@@ -220,11 +226,27 @@ function download() {
     )
 
 
+def _read_key(path: Path) -> tuple[dict[str, Any], dict[str, KeyEntry]]:
+    """key.json and its entries by item id; a key lacking them, or a malformed entry, is a one-line DataError."""
+    data = read_json(path, "answer key (the report stage writes it next to the blank sheets)")
+    for name, kind in (("target", str), ("kit", str), ("items", dict)):
+        if not isinstance(data.get(name), kind):
+            raise DataError(f"{path}: {name!r} missing or not a {kind.__name__} (not a report stage's answer key)")
+    names, key = sorted(f.name for f in fields(KeyEntry)), {}
+    for item, entry in data["items"].items():
+        if not isinstance(entry, dict) or sorted(entry) != names:
+            got = f"fields {sorted(entry)}" if isinstance(entry, dict) else repr(entry)
+            raise DataError(f"{path}: items[{item!r}]: {got}; expected the fields {names}")
+        if entry["target_side"] not in ("A", "B"):
+            raise DataError(f"{path}: items[{item!r}]: target_side {entry['target_side']!r}; expected 'A' or 'B'")
+        key[item] = KeyEntry(**entry)
+    return data, key
+
+
 def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     """Win/tie/loss of the key's target against each opponent over every filled ``sheet*.csv`` (blank: not judged)."""
     sheet_dir = Path(sheet_dir)
-    data = read_json(sheet_dir / "key.json", "answer key (the report stage writes it next to the blank sheets)")
-    key = {k: KeyEntry(**v) for k, v in data["items"].items()}
+    data, key = _read_key(sheet_dir / "key.json")
     files = sorted(sheet_dir.glob("sheet*.csv"))
     if not files:
         raise DataError(f"{sheet_dir}: no sheet*.csv files to score")
@@ -235,10 +257,13 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
             sheet = pd.read_csv(f, dtype=str, keep_default_na=False)
         except ValueError as exc:
             raise DataError(f"{f}: not a readable CSV sheet: {' '.join(str(exc).split())}") from exc
-        if missing := sorted({"item_id", "judgement"} - set(sheet.columns)):
+        if missing := sorted({"item_id", "judgement", "kit"} - set(sheet.columns)):
             raise DataError(f"{f}: missing column(s) {missing} (columns: {list(sheet.columns)})")
         per_file[f.name], seen = 0, {}  # seen: item -> its line in this sheet (one annotator judges it once)
-        for line_no, (item, raw) in enumerate(zip(sheet["item_id"].str.strip(), sheet["judgement"].str.strip()), 2):
+        cells = zip(sheet["item_id"].str.strip(), sheet["judgement"].str.strip(), sheet["kit"].str.strip())
+        for line_no, (item, raw, kit) in enumerate(cells, 2):
+            if kit != data["kit"]:
+                raise DataError(f"{f}:{line_no}: kit {kit!r}, not key.json's {data['kit']!r} (another build's sheet)")
             if item not in key:
                 raise DataError(f"{f}:{line_no}: item_id {item!r} is not in the answer key")
             if item in seen:
