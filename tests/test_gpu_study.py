@@ -761,14 +761,9 @@ def test_a_staging_call_that_finds_no_weight_parts_fails_in_one_line(tmp_path):
     assert not (tmp_path / "staged").exists()
 
 
-def test_importing_a_cut_call_then_the_finished_one_logs_each_run_once(tmp_path, monkeypatch):
-    """A run that finished in the study call is in both the cut call's files and the resumed call's (not trained
-    again: byte for byte the same record), and docs/gpu-lease.md imports whatever call came back: each import made a
-    new MLflow run of it, two runs of one training in the study (and its evaluation, which only the finished call
-    has, in the newer one). An import logs each run once: the second finds it and logs only the evaluation into it,
-    and a third changes nothing."""
-    from mlflow.tracking import MlflowClient
-
+def _imported_call(tmp_path, monkeypatch) -> tuple[str, Path, str]:
+    """(experiment, the unpacked call's folder, the MLflow store's uri): the lent H100 call's plan and params with
+    the CPU study's fedavg-domain-s0 records, a finished run not yet evaluated."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri := f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))
     exp, dest = "fedavg-domain-s0", tmp_path / "gpu-study"
@@ -792,6 +787,19 @@ def test_importing_a_cut_call_then_the_finished_one_logs_each_run_once(tmp_path,
                 by_client.setdefault(key.split("/")[0], {})[key.split("/")[1]] = value
         rows += [{"round": report_row["round"], "client": c, **fields} for c, fields in by_client.items()]
     (dest / "runs" / exp / "rounds.json").write_text(json.dumps(rows))
+    return exp, dest, uri
+
+
+def test_importing_a_cut_call_then_the_finished_one_logs_each_run_once(tmp_path, monkeypatch):
+    """A run that finished in the study call is in both the cut call's files and the resumed call's (not trained
+    again: byte for byte the same record), and docs/gpu-lease.md imports whatever call came back: each import made a
+    new MLflow run of it, two runs of one training in the study (and its evaluation, which only the finished call
+    has, in the newer one). An import logs each run once: the second finds it and logs only the evaluation into it,
+    and a third changes nothing."""
+    from mlflow.tracking import MlflowClient
+
+    exp, dest, uri = _imported_call(tmp_path, monkeypatch)
+    cpu = ROOT / "reports/cpu-study"
     client = MlflowClient(tracking_uri=uri)
 
     def runs() -> list:
@@ -810,3 +818,31 @@ def test_importing_a_cut_call_then_the_finished_one_logs_each_run_once(tmp_path,
     histories = {k: len(client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
     assert importer.log_runs(dest, "gpu") == first  # once more: nothing new
     assert {k: len(client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics} == histories
+
+
+def test_an_import_cut_before_a_runs_records_are_logged_is_imported_again(tmp_path, monkeypatch):
+    """An import finds a run it logged by its records' tag and logs nothing more of it: the tag may only mark a run
+    whose records are all in (its three record files as artifacts, FINISHED). An import cut while logging the
+    artifacts (here the first artifact's upload fails) leaves a run a later import must not take for done."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.results.tracking import RunLogger
+
+    exp, dest, uri = _imported_call(tmp_path, monkeypatch)
+    upload = RunLogger.log_artifact
+
+    def cut(self, *args, **kwargs):
+        raise OSError("the import was cut here")
+
+    monkeypatch.setattr(RunLogger, "log_artifact", cut)
+    with pytest.raises(OSError, match="cut here"):
+        importer.log_runs(dest, "gpu")
+    monkeypatch.setattr(RunLogger, "log_artifact", upload)
+    (run_id,) = importer.log_runs(dest, "gpu")
+    client = MlflowClient(tracking_uri=uri)
+    tagged = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], "tags.`gpu_study.record` LIKE '%'"
+    )
+    assert [r.info.run_id for r in tagged] == [run_id]
+    assert sorted(a.path for a in client.list_artifacts(run_id)) == ["experiment.json", "metrics.json", "rounds.json"]
+    assert client.get_run(run_id).info.status == "FINISHED"

@@ -132,10 +132,11 @@ def log_runs(dest: Path, device: str) -> list[str]:
             metrics = json.loads((run_dir / "metrics.json").read_text())
             log_missing_rounds(logger, json.loads((run_dir / "rounds.json").read_text()))
             logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
-            logger.set_tags(convergence_tags(metrics) | {IMPORTED: record})  # last: a run cut mid-import is redone
+            logger.set_tags(convergence_tags(metrics))
             for f in sorted(run_dir.glob("*.json")):
                 logger.log_artifact(f)
             logger.finish("FINISHED")
+            logger.set_tags({IMPORTED: record})  # last: a run cut mid-import (no tag) is imported again
         run_id = found[0].info.run_id if found else logger.run_id
         eval_dir = dest / "eval" / plan.experiment
         evaluated = digest(eval_dir / "metrics.json") if (eval_dir / "metrics.json").is_file() else None
