@@ -249,3 +249,26 @@ def test_a_sheet_of_another_kit_is_refused_in_one_line_naming_it(tmp_path):
         ("item_id", "judgement", "kit"),
     )
     assert score_sheets(tmp_path)["judged_per_file"]["sheet_other.csv"] == 1
+
+
+@pytest.mark.parametrize("head", ["000123456789", "1234567890e1"])
+def test_a_kit_a_spreadsheet_reads_as_a_number_is_not_the_kits_id(tmp_path, monkeypatch, head):
+    """The kit's id is hex: one of digits only (000123456789) or digits around one e (1234567890e1, 1.2e10) is a
+    number to a spreadsheet (here pandas' type inference), which saves the filled sheet with 123456789 or
+    12345678900.0 in every kit cell: all refused as another build's sheet. The sha256 is made to start so."""
+    import hashlib
+    import types
+
+    import pandas as pd
+
+    from pipeline.results import human_eval
+
+    def sha256(data: bytes):
+        return types.SimpleNamespace(hexdigest=lambda: head + hashlib.sha256(data).hexdigest()[12:])
+
+    monkeypatch.setattr(human_eval, "hashlib", types.SimpleNamespace(sha256=sha256))
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
+    saved = pd.read_csv(tmp_path / "sheet.csv", keep_default_na=False)  # each column's type inferred
+    saved["judgement"] = "A"
+    saved.to_csv(tmp_path / "sheet.csv", index=False)
+    assert score_sheets(tmp_path)["unjudged"] == 0
