@@ -622,10 +622,12 @@ def test_the_backbone_caveat_comes_from_the_records():
         "parameters": 12_345_678,
         "evaluation": {"rouge1": 38.1, "examples": 818, "dataset": "samsum"},
     }
-    kd = {"tau": 5.0, "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
+    kd = {"tau": 5.0, "tau_unit": "nats", "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
     note = claims.backbone_note(backbone, kd)
     assert "`tiny` (12.3M parameters, ROUGE-1 38.10 on 818 samsum" in note
-    assert "42-54 % of target words at tau = 5.0, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
+    assert "42-54 % of target words at tau = 5.0 nats, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
+    # a record written before kd_analysis.json held the unit: the tau without one
+    assert "of target words at tau = 5.0, the paper's" in claims.backbone_note(backbone, kd | {"tau_unit": None})
     assert claims.backbone_note(None, kd) == ""
     assert claims.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
 
