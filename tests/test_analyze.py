@@ -327,7 +327,16 @@ def test_the_kd_record_and_the_results_text_give_the_main_runs_tau(tmp_path, mon
     # tau: here the entry's own 3.0 nats, not the top-level 5.0 (which no main run reads).
     monkeypatch.chdir(tmp_path)
     res = _analyze_one_selectkd_run(tmp_path, {"Product": 2, "Academic": 1}, {"tau": 3.0}, tau=5.0)
-    assert res["tau"] == 3.0 and "of target words at tau = 3.0, the paper's" in backbone_note({"name": "b"}, res)
+    assert res["tau"] == 3.0 and "of target words at tau = 3.0 nats, the paper's" in backbone_note({"name": "b"}, res)
+
+
+def test_the_kd_record_and_the_results_text_give_the_main_runs_tau_in_its_unit(tmp_path, monkeypatch):
+    # An absolute threshold is in the unit of H(q_g), train.entropy_log_base's: e (nats, the default) or 2 (bits);
+    # tau = 5 bits is the gate H_nats < 5 ln 2 = 3.47, so "at tau = 5.0" alone names no gate.
+    monkeypatch.chdir(tmp_path)
+    res = _analyze_one_selectkd_run(tmp_path, {"Product": 2, "Academic": 1}, {"entropy_log_base": 2}, tau=5.0)
+    assert (res["tau"], res["tau_unit"]) == (5.0, "bits")
+    assert "of target words at tau = 5.0 bits, the paper's" in backbone_note({"name": "b"}, res)
 
 
 def test_a_threshold_in_bits_is_placed_in_nats_on_the_sweep_axis():
@@ -425,6 +434,11 @@ def test_a_margin_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch):
         ({"fedavg-sweep": {"method": "fedavg", "partition": "domain/seed0", "study": "tau_sweep"}}, "needs a tau"),
         # a second main-study SelectKD at another tau
         ({"sel-tau4": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 1, "tau": 4.0}}, "different tau"),
+        # a second one at the same tau 5.0 in bits: another gate (H_nats < 3.47), not the same tau
+        (
+            {"sel-bits": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 1, "entropy_log_base": 2}},
+            "different tau",
+        ),
     ],
 )
 def test_a_params_file_the_analysis_refuses_is_one_error_line_not_a_traceback(

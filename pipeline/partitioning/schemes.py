@@ -3,7 +3,6 @@ config, a seeded numpy Generator) to a complete :class:`Partition` (each example
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from pydantic import Field
 
 from pipeline.common.config import NonNegativeInt, Positive, PositiveInt, config
 from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError
+from pipeline.paths import package_model_dir
 
 MAX_DIRICHLET_REDRAWS = 1000
 
@@ -206,17 +206,15 @@ def label_skew(
 
 
 def model_dir(name: str) -> Path:
-    """A sentence-transformers model directory: an offline package's bundled ``model/`` or a plain path."""
+    """A sentence-transformers model directory: a plain path, or an offline package's files (its directory variable's
+    if set, e.g. FEDMEET_MINILM_DIR: pipeline.paths.package_model_dir)."""
     path = Path(name)
     if path.is_dir():
         return path
     try:
-        module = importlib.import_module(name)
+        return package_model_dir(name)
     except ImportError:
         raise DataError(f"partition.cluster.model={name!r}: neither a directory nor an installed package") from None
-    return (
-        Path(module.get_model_path()) if hasattr(module, "get_model_path") else Path(module.__file__).parent / "model"
-    )
 
 
 def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:

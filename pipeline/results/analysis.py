@@ -33,6 +33,7 @@ from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
 MAIN_STUDY, TAU_STUDY, ABS = "main", "tau_sweep", ("absolute", "entropy")  # ABS: tau an entropy threshold
+UNITS = {"e": "nats", "2": "bits"}  # H(q_g)'s and an absolute tau's, by train.entropy_log_base
 
 
 @config
@@ -80,27 +81,30 @@ class Analysis:
         path = self.paths.eval_metrics(exp.name)
         return eval_scores(path) if self._present(exp, needed_for, path) else None
 
-    def main_study(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], float | None]:
+    def main_study(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], float | None, str | None]:
         """Usage ratio, POS distribution and gate statistics per client; also returns per-experiment usage and the
-        runs' tau (None: none, or not an entropy threshold)."""
+        runs' tau and its unit, nats or bits (None: none, or not an entropy threshold)."""
         usages = {e.name: u for e in self.main if (u := self.usage(e, "KD usage / POS analysis")) is not None}
         clients: dict[str, Any] = {}
         if not usages:
-            return clients, usages, None
+            return clients, usages, None, None
         all_words = pd.concat([u["words"].assign(experiment=n) for n, u in usages.items()])
         all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
-        taus = sorted({e.tau for e in self.main if e.name in usages and e.tau is not None})
-        if len(taus) > 1:
-            raise ConfigError(f"params.yaml: the main-study SelectKD experiments use different tau values {taus}")
+        runs = [e for e in self.main if e.name in usages]
+        taus = sorted({e.tau for e in runs if e.tau is not None})
+        units = sorted({UNITS[e.entropy_log_base] for e in runs})
         # a portable gate's tau (a share of ln|V|, a quantile) or a margin is no entropy: no H(q_g) < tau, no tau line
-        tau = taus[0] if taus and {(e.tau_scale, e.kd_gate) for e in self.main if e.name in usages} == {ABS} else None
+        absolute = bool(taus) and {(e.tau_scale, e.kd_gate) for e in runs} == {ABS}
+        if len(taus) > 1 or (absolute and len(units) > 1):  # an entropy of 5 bits is 5 ln 2 = 3.47 nats
+            raise ConfigError(f"params.yaml: the main-study SelectKD experiments use different taus {taus} in {units}")
+        tau, unit = (taus[0], units[0]) if absolute else (None, None)
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
             kd_analysis.plot_pos(client, rec, self.figures / f"pos_{slug(client)}.png")
             kd_analysis.plot_entropy(client, gate, rec, tau, self.figures / f"entropy_{slug(client)}.png")
-        return clients, usages, tau
+        return clients, usages, tau, unit
 
     def hardkd(self) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds, and their difference
@@ -148,7 +152,7 @@ class Analysis:
         self.figures.mkdir(parents=True, exist_ok=True)
         for old in self.figures.glob("*.png"):  # the stage owns this directory: no stale figures of removed clients
             old.unlink()
-        clients, usages, tau = self.main_study()
+        clients, usages, tau, unit = self.main_study()
         hardkd, sweep = self.hardkd(), self.tau_sweep(usages)
         missing = [
             {"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self.missing.items())
@@ -157,6 +161,7 @@ class Analysis:
             {
                 "word_rule": self.cfg.word_rule,
                 "tau": tau,  # the main study's SelectKD runs', whose KD usage "clients" holds
+                "tau_unit": unit,  # nats or bits (train.entropy_log_base)
                 "paper": {
                     "kd_usage_ratio": KD_USAGE_RATIO,
                     "det_pron_share_of_no_kd": kd_analysis.PAPER_DET_PRON_SHARE_OF_NON_KD,

@@ -145,7 +145,8 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     clients = ((kd or {}).get("clients") or {}).values()
     if usage := [v["kd_usage_ratio"] for v in clients if v.get("kd_usage_ratio") is not None]:
         ours, paper = [round(100 * u) for u in usage], [round(100 * u) for u in published.KD_USAGE_RATIO.values()]
-        at = f" at tau = {kd['tau']}" if kd.get("tau") is not None else ""  # none: a portable gate, a margin
+        unit = f" {kd['tau_unit']}" if kd.get("tau_unit") else ""  # none in a record older than the unit
+        at = f" at tau = {kd['tau']}{unit}" if kd.get("tau") is not None else ""  # none: a portable gate, a margin
         text += (
             f" Its selective KD distils on {min(ours)}-{max(ours)} % of target words{at}, "
             f"the paper's on {min(paper)}-{max(paper)} %."

@@ -295,7 +295,8 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
         "",
         "Blind sheets: `reports/human_eval/sheets/` (give annotators `sheet.html` or `sheet.csv`, never "
         "`key.json`). Copy the sheets elsewhere, fill the `judgement` column (A, B or tie) or download it from "
-        "the HTML page as `sheet_<name>.csv`, then run "
+        "the HTML page as `sheet_<name>.csv`; keep the `kit` column (the kit's id: a sheet without it, or of "
+        "another kit, is refused), then run "
         "`python -m pipeline.report human --sheets DIR` -> `reports/human_eval/results.json` and "
         "`reports/human_eval/human_eval.png` (paper: SelectKD vs FedAvg 52 wins, 4 ties, 4 losses of 60).",
         "",

@@ -124,19 +124,25 @@ def read_gate_log(path: Path) -> pd.DataFrame:
 
 
 # Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"), from ``reports/train/
-# <exp>/``: each client-run's best and last round (``rounds.json``, else ``best_round``, ``stopped_round``), its
-# ``converged``.
+# <exp>/``: each client-run's best round (metrics.json's ``best_round``) and last round (``rounds.json``, else
+# ``stopped_round``), its ``converged``.
 CONVERGENCE_COLUMNS = ["experiment", "client", "best_round", "last_round", "best_is_last", "converged"]
 MARK = "↗"  # the tables' mark of a row with a client-run still improving at its last round
 
 
-def best_and_last_rounds(path: Path) -> dict[str, tuple[int, int]]:
-    """{client: (round of its lowest val_loss, the earliest on a tie; its last round with one)} from rounds.json."""
+def best_and_last_rounds(path: Path, kept: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """{client: (its best round, its last round with a val_loss)} from rounds.json. The best round is the one the
+    client kept (its adapter_best, which is evaluated), ``kept[client]``: the train record's ``best_round``, which a
+    lost evaluation reply leaves out of rounds.json's losses; a client without it (a record of rounds alone) has the
+    round of its lowest val_loss, the earliest on a tie."""
     rounds = read_rounds(path)
     if "val_loss" not in rounds:
         return {}
     known = rounds.dropna(subset=["val_loss"]).sort_values(["val_loss", "round"])
-    return {str(c): (int(g["round"].iloc[0]), int(g["round"].max())) for c, g in known.groupby("client", sort=True)}
+    return {
+        str(c): (int(kept.get(str(c)) or g["round"].iloc[0]), int(g["round"].max()))
+        for c, g in known.groupby("client", sort=True)
+    }
 
 
 def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
@@ -145,14 +151,11 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
     metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
     metrics = read_json(metrics_path, "train metrics") if metrics_path.is_file() else {}
     clients = metrics.get("clients") or {}
+    kept = {str(c): v["best_round"] for c, v in clients.items() if isinstance(v, dict) and v.get("best_round")}
     found = (
-        best_and_last_rounds(rounds_path)
+        best_and_last_rounds(rounds_path, kept)
         if rounds_path.is_file()
-        else {
-            c: (int(v["best_round"]), int(metrics.get("stopped_round") or metrics.get("rounds") or v["best_round"]))
-            for c, v in clients.items()
-            if isinstance(v, dict) and v.get("best_round")
-        }
+        else {c: (int(b), int(metrics.get("stopped_round") or metrics.get("rounds") or b)) for c, b in kept.items()}
     )
     stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
     rows = [(experiment, c, best, last, best == last, stated) for c, (best, last) in sorted(found.items())]
