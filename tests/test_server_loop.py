@@ -54,6 +54,9 @@ class Script:
     fail: set = field(default_factory=set)
     fail_eval: set = field(default_factory=set)
     bad_reply: set = field(default_factory=set)
+    # (client, round) -> metrics of its train / evaluate reply to replace (None: to leave out)
+    bad_metrics: dict = field(default_factory=dict)
+    bad_eval_metrics: dict = field(default_factory=dict)
     privacy: bool = False
     dp_clipped: dict = field(default_factory=dict)  # client -> the client-side clipping mod's "clipped" bit
     calls: list = field(default_factory=list)  # (kind, client, round, received state or None)
@@ -132,6 +135,7 @@ def scripted_app(script: Script):
             )
         if name in script.dp_clipped:
             metrics["dp-update-clipped"] = script.dp_clipped[name]
+        metrics = _replaced(metrics, script.bad_metrics.get((name, rnd), {}))
         content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)})
         count(name, rnd, sent=_nbytes(content))
         return Message(content, reply_to=msg)
@@ -145,18 +149,15 @@ def scripted_app(script: Script):
         count(name, rnd, received=_nbytes(msg.content))
         if (name, rnd) in script.fail_eval:
             raise RuntimeError(f"{name} cannot evaluate")
-        return Message(
-            RecordDict(
-                {
-                    "metrics": MetricRecord(
-                        {N: 2, "val-loss": float(script.val(name, rnd)), "val-tokens": 7, "best-round": rnd}
-                    )
-                }
-            ),
-            reply_to=msg,
-        )
+        metrics = {N: 2, "val-loss": float(script.val(name, rnd)), "val-tokens": 7, "best-round": rnd}
+        metrics = _replaced(metrics, script.bad_eval_metrics.get((name, rnd), {}))
+        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app
+
+
+def _replaced(metrics: dict, changes: dict) -> dict:
+    return {k: changes.get(k, v) for k, v in metrics.items() if changes.get(k, v) is not None}
 
 
 class Grid:
@@ -744,6 +745,31 @@ def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):
         assert all("weight_share" in rows[n] for n in clients if n != c)
     move = sum(weighted_update([n for n in clients if n != c], script) for c in bad.values())
     assert_state(final, {k: v + move for k, v in initial(path).items()}, exact=False)
+
+
+def test_a_reply_with_malformed_metrics_is_that_clients_failure_not_the_servers(ws, caplog):
+    """A train reply lacking a standard metric or holding a list where one number goes, an evaluation reply lacking
+    its validation loss: each is its client's failure for the round (one log line naming it and the problem), as an
+    undecodable reply is; the round aggregates the others (KeyError/TypeError ended the whole run before)."""
+    path = write_plan("loop-bad-metrics", "fedkd", rounds=2, fraction_train=1.0)
+    script = Script(
+        bad_metrics={("Academic", 1): {"num-steps": None}, ("Committee", 1): {"ce": [1.0, 2.0]}},
+        bad_eval_metrics={("Product", 2): {"val-loss": None}},
+    )
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, recorder = run(path, script)
+    r1, r2 = rows_of(history, 1), rows_of(history, 2)
+    assert [c for c in r1 if r1[c]["failed"]] == ["Academic", "Committee"] and "weight_share" not in r1["Academic"]
+    assert "num-steps" in r1["Academic"]["error"] and "ce" in r1["Committee"]["error"]
+    assert r1["Product"]["weight_share"] == 1.0 and [agg for _, agg, _, _ in recorder.rounds] == [True, True]
+    logs(logged(caplog), "round 1", "Academic", "num-steps")
+    logs(logged(caplog), "round 1", "Committee", "'ce'")
+    assert r2["Product"]["eval_failed"] == 1 and "val_loss" not in r2["Product"] and r2["Product"]["failed"] == 0
+    logs(logged(caplog), "round 2", "Product", "val-loss")
+    assert r2["Academic"]["val_loss"] == 2.0 and "eval_failed" not in r2["Academic"]
+    # round 1 moved the global by Product's update alone, round 2 by the three clients' weighted mean
+    step = DELTAS["Product"] + weighted_update(["Academic", "Committee", "Product"], script)
+    assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
 
 
 def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):

@@ -38,6 +38,8 @@ TRAIN_METRICS = {
     "kd-fraction": ("kd_fraction", float),
     "proximal": ("proximal", float),
 }
+# What an evaluate reply's MetricRecord holds besides NUM_EXAMPLES_KEY (client_app.client_evaluate), as TRAIN_METRICS.
+EVAL_METRICS = {"val-loss": ("val_loss", float), "val-tokens": ("val_tokens", int), "best-round": ("best_round", int)}
 # Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
 # history row field (privacy_row) and type; an unbounded epsilon or max_grad_norm travels as -1.
 DP_METRICS = {
@@ -176,8 +178,22 @@ def payload_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.array_records.values())
 
 
+def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple[str, type]]) -> dict[str, Any]:
+    """A reply's metrics ``spec`` names (key -> history row field, type) as the row's fields; a key missing or a value
+    not one number of its type (an int: whole) raises ValueError naming it (a malformed reply: its client's failure)."""
+    if odd := {key: m.get(key) for key, (_, kind) in spec.items() if not _number(m.get(key), kind)}:
+        raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
+    return {field: kind(m[key]) for key, (field, kind) in spec.items()}
+
+
+def _number(value: Any, kind: type) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return kind is float or float(value).is_integer()
+
+
 def privacy_row(m: MetricRecord) -> dict[str, Any]:
     """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
-    row: dict[str, Any] = {field: kind(m[key]) for key, (field, kind) in DP_METRICS.items()}
+    row = metrics_row(m, DP_METRICS)
     row |= {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
     return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}

@@ -19,6 +19,7 @@ from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
+    EVAL_METRICS,
     METRICS_KEY,
     PLAN_HASH,
     SECAGG_CLIPPED_KEY,
@@ -30,6 +31,7 @@ from pipeline.federation.protocol import (
     encode_global,
     error_line,
     load_plan,
+    metrics_row,
     payload_bytes,
     privacy_row,
     replies_by_node,
@@ -222,7 +224,8 @@ def _record_weight_shares(rows: dict[str, dict[str, Any]], client_level) -> None
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:
     """The evaluate step of a round: each reply's validation loss, tokens and best round into its client's row; a
-    client whose reply failed or did not come within the timeout is logged and marked ``eval_failed``."""
+    client whose reply failed, is malformed or did not come within the timeout is logged and marked ``eval_failed``
+    (the strategy's aggregate of the replies' metrics is not used: not asked for)."""
     for m in messages:
         m.content[ARRAYS_KEY] = downlink
         r.rows[r.node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
@@ -233,20 +236,18 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         if reply.has_error():
             why[row["client"]] = error_line(reply)
             continue
-        m = reply.content[METRICS_KEY]
-        row.update(val_loss=float(m["val-loss"]), val_tokens=int(m["val-tokens"]), best_round=int(m["best-round"]))
+        try:
+            row.update(metrics_row(reply.content.metric_records.get(METRICS_KEY, {}), EVAL_METRICS))
+        except ValueError as exc:
+            why[row["client"]] = f"it cannot be decoded: {exc}"
     for name, reason in why.items():
         r.rows[name]["eval_failed"] = 1
         log.warning("round %d: client %s failed to evaluate: %s", r.rnd, name, reason)
-    if any(not reply.has_error() for reply in replies.values()):
-        r.strategy.aggregate_evaluate(r.rnd, list(replies.values()))
 
 
-def _record_train_metrics(row: dict[str, Any], m) -> None:
-    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) into its history row."""
-    row.update({field: kind(m[key]) for key, (field, kind) in TRAIN_METRICS.items()})
-    if "dp-epsilon" in m:
-        row.update(privacy_row(m))
+def _train_metrics(m) -> dict[str, Any]:
+    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) as its history row's fields."""
+    return metrics_row(m, TRAIN_METRICS) | (privacy_row(m) if "dp-epsilon" in m else {})
 
 
 def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
@@ -274,6 +275,7 @@ def _train_in_the_clear(
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
         try:
+            metrics = _train_metrics(reply.content.metric_records.get(METRICS_KEY, {}))
             reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
             update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
             why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
@@ -285,7 +287,7 @@ def _train_in_the_clear(
             continue
         if r.client_level is not None:
             r.clipped[row["client"]] = update
-        _record_train_metrics(row, reply.content[METRICS_KEY])
+        row.update(metrics)
     for node in unanswered(messages, replies):
         _left_out(r, r.rows[r.node_names[node]], f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
     return r.strategy.aggregate_train(r.rnd, [reply for reply in replies.values() if id(reply) not in left_out])[0]
@@ -300,7 +302,7 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
         row = r.rows[r.node_names[node]]
         row["bytes_down"], row["bytes_up"] = outcome.bytes_down, outcome.bytes_up
         if outcome.metrics is not None:
-            _record_train_metrics(row, outcome.metrics)
+            row.update(_train_metrics(outcome.metrics))
             row["secagg_clipped"] = int(outcome.metrics[SECAGG_CLIPPED_KEY])
         stage_error = f"SecAgg+ {outcome.failed_stage}: {outcome.error}" if outcome.failed_stage else None
         if result.arrays is None or node not in result.in_sum:
