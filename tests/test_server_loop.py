@@ -2109,13 +2109,41 @@ def test_fedadams_float64_global_sent_as_fp32_is_the_reference_of_the_next_pseud
     path = write_plan("loop-fp32-fedadam", "fedopt", rounds=2, fraction_train=1.0, fedopt=adam)
     script = Script()
     final, _, _ = run(path, script)
-    assert load_plan(path).train.transfer_dtype == "fp32" and {v.dtype for v in final.values()} == {torch.float64}
+    assert load_plan(path).train.transfer_dtype == "fp32" and built[0].v_t  # FedAdam stepped
     received = [state for kind, _, rnd, state in script.calls if kind == "train" and rnd == 2]
     assert len(received) == 3 and all(v.dtype == torch.float32 for v in received[0].values())
     reference = built[0].current_arrays  # round 2's, the last configure_train's
     assert reference.keys() == received[0].keys()
     for k, v in received[0].items():
         np.testing.assert_array_equal(reference[k], v.numpy(), err_msg=k)
+
+
+def test_fedadams_float64_global_is_kept_saved_and_returned_as_the_float32_the_clients_decode(ws, monkeypatch):
+    """Flower's FedAdam returns a float64 W; the global the server keeps (its round checkpoint, what run_server
+    returns: the deployed global_adapter.safetensors, MLflow's "global" model) is the model's float32, the rounding
+    of Flower's W, bit for bit what fp32 sends the clients (it was float64: twice the size, other bytes)."""
+    from flwr.serverapp import strategy as fs
+
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training import checkpoints
+
+    globals_ = []
+    real = fs.FedAdam.aggregate_train
+    monkeypatch.setattr(fs.FedAdam, "aggregate_train", lambda *a: globals_.append(real(*a)) or globals_[-1])
+    adam = {"server_optimizer": "adam", "server_lr": 0.1}
+    path = write_plan("loop-fp32-fedadam-saved", "fedopt", rounds=2, fraction_train=1.0, fedopt=adam)
+    script = Script()
+    final, _, _ = run(path, script)
+    flower = [{k: a.numpy() for k, a in arrays.items()} for arrays, _ in globals_]
+    assert len(flower) == 2 and {v.dtype for w in flower for v in w.values()} == {np.dtype(np.float64)}
+    assert {v.dtype for v in initial(path).values()} == {torch.float32}
+    ckpt = checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(load_plan(path)), load_plan(path))
+    received = [state for kind, _, rnd, state in script.calls if kind == "train" and rnd == 2][0]
+    for k, w in flower[1].items():
+        assert final[k].dtype == ckpt["arrays"][k].dtype == torch.float32, k
+        np.testing.assert_array_equal(final[k].numpy(), w.astype(np.float32), err_msg=k)
+        np.testing.assert_array_equal(ckpt["arrays"][k].numpy(), w.astype(np.float32), err_msg=k)
+        np.testing.assert_array_equal(received[k].numpy(), flower[0][k].astype(np.float32), err_msg=k)
 
 
 def test_fedavgm_takes_every_rounds_pseudo_gradient_against_the_lossy_downlink_not_only_the_first(ws):

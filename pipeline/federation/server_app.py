@@ -166,7 +166,8 @@ def run_server(
         # client-level DP each update weighs 1 / the expected count, whoever replied).
         _record_weight_shares(rows, client_level)
         if new_arrays is not None:
-            arrays, state = new_arrays, new_arrays.to_torch_state_dict()
+            # in the model's dtype: Flower's FedAdam returns a float64 W (it steps from current_arrays, the downlink)
+            state = {k: v.to(state[k].dtype) for k, v in new_arrays.to_torch_state_dict().items()}
             if client_level is not None:
                 client_level.record(rows, exchange.clipped, clipping_norm)
         else:
@@ -184,7 +185,7 @@ def run_server(
         history.extend(round_rows)
         save_server_checkpoint(plan, rnd, state, strategy, history)
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None), history)
-    return arrays, history
+    return ArrayRecord.from_torch_state_dict(state), history
 
 
 def _resume(plan: Plan, strategy, ckpt: dict[str, Any] | None) -> tuple[int, ArrayRecord, list[dict]]:
