@@ -136,7 +136,8 @@ def scripted_app(script: Script):
         if name in script.dp_clipped:
             metrics["dp-update-clipped"] = script.dp_clipped[name]
         metrics = _replaced(metrics, script.bad_metrics.get((name, rnd), {}))
-        content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)})
+        identity = ConfigRecord({"client-name": name})  # as client_app.train_round's
+        content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics), "identity": identity})
         count(name, rnd, sent=_nbytes(content))
         return Message(content, reply_to=msg)
 
@@ -151,7 +152,8 @@ def scripted_app(script: Script):
             raise RuntimeError(f"{name} cannot evaluate")
         metrics = {N: 2, "val-loss": float(script.val(name, rnd)), "val-tokens": 7, "best-round": rnd}
         metrics = _replaced(metrics, script.bad_eval_metrics.get((name, rnd), {}))
-        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+        identity = ConfigRecord({"client-name": name})
+        return Message(RecordDict({"metrics": MetricRecord(metrics), "identity": identity}), reply_to=msg)
 
     return app
 
@@ -192,6 +194,7 @@ class Grid:
         _set_server_identity(self.inner.run.run_id)
         self.gone: dict[int, set[str]] = {}
         self.restart: dict[int, set[str]] = {}
+        self.rename: dict[int, dict[int, str]] = {}  # round -> {node: the client name it answers as from then on}
         self.lost: set[tuple[str, int]] = set()
         self.lost_eval: set[tuple[str, int]] = set()  # evaluation replies only
         self.silent_error: set[tuple[str, int]] = set()  # train replies turned into an error without a reason
@@ -250,6 +253,8 @@ class Grid:
             ctx = self.inner.contexts.pop(old)
             ctx.node_id = old + 100
             self.inner.contexts[old + 100] = ctx
+        for node, name in self.rename.get(rnd, {}).items():  # restarted under --auth: the same node id
+            self.inner.contexts[node].node_config["client-name"] = name
 
 
 class Recorder:
@@ -856,6 +861,33 @@ def test_a_round_in_which_every_node_is_gone_records_them_absent_and_the_next_ro
     step = weighted_update(["Academic", "Committee", "Product"], script)  # rounds 1 and 3
     assert_state(final, {k: v + 2 * step for k, v in initial(path).items()}, exact=False)
     assert [agg for _, agg, _, _ in recorder.rounds] == [True, False, True]
+
+
+def test_a_node_answering_as_another_client_than_it_was_admitted_as_fails_and_is_asked_its_name_again(ws, caplog):
+    """Under --auth a SuperNode restarted with another client-name keeps its node id, so the run's node map still
+    holds it as its old client: the node admitted as Academic answers round 2 as 'Committee'. Its train and
+    evaluate replies are Academic's failure for the round (naming both names), not aggregated; the node is
+    forgotten, so round 3 asks its name again and, Committee's node still answering, leaves it out: Academic is
+    absent; restarted as Academic again, round 4 admits it. Before, its update went in as Academic's."""
+    path = write_plan("loop-renamed", "fedavg", rounds=4, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    node = next(n for n in grid.inner.get_node_ids() if grid.name(n) == "Academic")
+    grid.rename = {2: {node: "Committee"}, 4: {node: "Academic"}}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script, grid=grid)
+    why = f"node {node} answers as client 'Committee', admitted as 'Academic'"
+    a2, a3, a4 = (rows_of(history, rnd)["Academic"] for rnd in (2, 3, 4))
+    assert (a2["failed"], a2["error"], a2["eval_failed"]) == (1, why, 1) and "weight_share" not in a2
+    assert "val_loss" not in a2 and a3["absent"] == 1 and a3["sampled"] == 0
+    assert a4["failed"] == 0 and a4["weight_share"] == pytest.approx(1 / 8) and a4["val_loss"] == 3.0
+    logs(logged(caplog), "round 2", "Academic", why)
+    logs(logged(caplog), "two nodes claim the same client name 'Committee'", str(node))
+    logs(logged(caplog), "client Academic (re)joined as node", str(node))
+    assert rows_of(history, 2)["Committee"]["weight_share"] == pytest.approx(2 / 7)
+    clients = ["Academic", "Committee", "Product"]
+    step = 2 * weighted_update(clients, script) + 2 * weighted_update(clients[1:], script)
+    assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
 
 
 def test_a_node_claiming_a_client_outside_the_plan_is_left_out(ws, caplog):

@@ -168,6 +168,14 @@ def unanswered(messages: list[Message], replies: dict[int, Message]) -> list[int
     return [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in replies]
 
 
+def misnamed(reply: Message, node: int, admitted: str) -> str | None:
+    """Why a train or evaluate reply of ``node``, admitted as client ``admitted``, does not count: it names another
+    client (under --auth a SuperNode restarted with another client-name keeps its node id); None if it names the same
+    or none (SecAgg+'s train stages carry the protocol's records only: the round's evaluate reply names it)."""
+    named = reply.content.config_records.get("identity", {}).get("client-name")
+    return None if named in (None, admitted) else f"node {node} answers as client {named!r}, admitted as {admitted!r}"
+
+
 def error_line(reply: Message) -> str:
     """A failed reply's reason, its first line (a client's is one line, docs/privacy.md), or its code if it has none."""
     return reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"

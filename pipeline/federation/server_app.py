@@ -32,6 +32,7 @@ from pipeline.federation.protocol import (
     error_line,
     load_plan,
     metrics_row,
+    misnamed,
     payload_bytes,
     privacy_row,
     replies_by_node,
@@ -76,6 +77,7 @@ class _Round:
     client_level: Any = None
     clipping_norm: float | None = None
     clipped: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    misnamed: set[int] = field(default_factory=set)  # nodes answering as another client: forgotten after the round
 
 
 def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
@@ -136,7 +138,7 @@ def run_server(
             log.info(
                 "%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment, rnd, late
             )
-        connected = connected_nodes(grid, plan_path, node_names, round_timeout_s)
+        connected = connected_nodes(grid, plan_path, node_names, round_timeout_s, clients)
         admitted = [n for n, c in sorted(connected.items(), key=lambda nc: nc[1]) if c != late or joined_at is not None]
         view = GridView(grid, admitted)  # a new client joins at its round
         # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
@@ -237,6 +239,10 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         if reply.has_error():
             why[row["client"]] = error_line(reply)
             continue
+        if wrong := misnamed(reply, node, row["client"]):
+            why[row["client"]] = wrong
+            r.misnamed.add(node)
+            continue
         try:
             row.update(metrics_row(reply.content.metric_records.get(METRICS_KEY, {}), EVAL_METRICS))
         except ValueError as exc:
@@ -244,6 +250,8 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
     for name, reason in why.items():
         r.rows[name]["eval_failed"] = 1
         log.warning("round %d: client %s failed to evaluate: %s", r.rnd, name, reason)
+    for node in r.misnamed:  # the round's last message sent: the next connected_nodes asks its name again
+        del r.node_names[node]
 
 
 def _train_metrics(m) -> dict[str, Any]:
@@ -274,6 +282,11 @@ def _train_in_the_clear(
             _left_out(r, row, f"it failed: {row['error']}")
             continue
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
+        if why := misnamed(reply, node, row["client"]):
+            r.misnamed.add(node)
+            left_out.add(id(reply))
+            _left_out(r, row, why)
+            continue
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
         try:
             metrics = _train_metrics(reply.content.metric_records.get(METRICS_KEY, {}))
