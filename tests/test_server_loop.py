@@ -54,6 +54,7 @@ class Script:
     fail: set = field(default_factory=set)
     fail_eval: set = field(default_factory=set)
     bad_reply: set = field(default_factory=set)
+    odd_arrays: dict = field(default_factory=dict)  # (client, round) -> its reply's adapter state edited
     # (client, round) -> metrics of its train / evaluate reply to replace (None: to leave out)
     bad_metrics: dict = field(default_factory=dict)
     bad_eval_metrics: dict = field(default_factory=dict)
@@ -104,6 +105,7 @@ def scripted_app(script: Script):
 
             raise DataError(f"data/processed/examples.parquet: record 'ES2002a-{name}-17' has an empty source")
         local = {k: v + script.delta[name] for k, v in received.items()}
+        local = script.odd_arrays.get((name, rnd), lambda state: state)(local)
         arrays = encode_reply(local, plan, received)
         if (name, rnd) in script.bad_reply:  # an int8 tensor without its scale
             arrays = ArrayRecord.from_torch_state_dict(
@@ -734,6 +736,26 @@ def test_an_undecodable_reply_is_left_out_and_recorded(ws, caplog):
     assert_state(
         final, {k: v + weighted_update(["Committee", "Product"], script) for k, v in initial(path).items()}, exact=False
     )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_reply_whose_arrays_are_not_the_adapters_is_left_out_not_the_servers_end(ws, caplog, dtype):
+    """A reply with an array the adapter lacks, or one of another shape: its client's failure for the round (one log
+    line naming the array); before, Flower's aggregate raised InconsistentMessageReplies (other keys than the other
+    replies') or NumPy/torch a broadcasting error (another shape) and ended the run."""
+    path = write_plan(f"loop-odd-arrays-{dtype}", "fedavg", rounds=1, fraction_train=1.0, transfer_dtype=dtype)
+    extra = lambda state: state | {"extra.weight": torch.zeros(2)}  # noqa: E731
+    reshaped = lambda state: {k: v[:1] if k == min(state) else v for k, v in state.items()}  # noqa: E731
+    script = Script(odd_arrays={("Academic", 1): extra, ("Committee", 1): reshaped})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script)
+    rows = rows_of(history, 1)
+    assert [c for c in rows if rows[c]["failed"]] == ["Academic", "Committee"]
+    assert "extra.weight" in rows["Academic"]["error"] and min(initial(path)) in rows["Committee"]["error"]
+    logs(logged(caplog), "round 1", "Academic", "extra.weight")
+    assert rows["Product"]["weight_share"] == 1.0
+    if dtype == "fp32":  # int8: Product's reply as quantised
+        assert_state(final, {k: v + DELTAS["Product"] for k, v in initial(path).items()}, exact=False)
 
 
 def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):

@@ -144,10 +144,15 @@ def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str,
     )
 
 
-def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] | None) -> ArrayRecord:
+def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> ArrayRecord:
     """Server side: a reply's float32 local adapter as the strategy aggregates it; ``sent`` = this round's decoded
     global (as the client decoded it, bit for bit). Float32 arrays without a delta are that already (decoding and
-    encoding again gives their bytes back): the record is not read."""
+    encoding again gives their bytes back): the record is not read. Arrays other than the adapter's (by key and
+    shape) raise ValueError naming them."""
+    adapter = {k: tuple(v.shape) for k, v in sent.items()}
+    shapes = {k: tuple(a.shape) for k, a in record.items() if not k.endswith(SCALE_SUFFIX)}
+    if odd := sorted(k for k in shapes.keys() | adapter.keys() if shapes.get(k) != adapter.get(k)):
+        raise ValueError(f"its arrays are not the adapter's (other keys or shapes): {odd[:4]}")
     delta = delta_encoded(plan)
     if not delta and all(a.dtype == "float32" and not k.endswith(SCALE_SUFFIX) for k, a in record.items()):
         return record
