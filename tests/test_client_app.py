@@ -258,6 +258,37 @@ def test_a_node_restarted_with_its_node_id_serving_another_plan_trains_and_evalu
     assert row["failed"] == 1 and "val_loss" not in row
 
 
+def test_a_node_restarted_with_its_node_id_as_another_client_trains_and_evaluates_nothing_for_its_old_one(
+    ws, monkeypatch, caplog
+):
+    """Under --auth a SuperNode restarted with another client-name keeps its node id, so the run's node map still
+    holds it as its old client: here Academic's node comes back after round 1 as 'Committee'. Its round-2 train and
+    evaluate replies name Committee: Academic's failure for the round, out of the aggregate (before, Committee's
+    training went into the aggregate and the records as Academic's)."""
+    from pipeline.experiments.settings import RunSettings
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.server_app import run_server
+    from pipeline.training.history import Recorder
+
+    path = write_plan("auth-renamed", "fedavg", rounds=2)
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": path} for n in ("Academic", "Committee", "Product")])
+    _set_server_identity(grid.run.run_id)
+    node, academic = next((n, c) for n, c in grid.contexts.items() if c.node_config["client-name"] == "Academic")
+
+    class Restart(Recorder):
+        def round_done(self, plan, entry, history):
+            academic.node_config["client-name"] = "Committee"  # restarted between rounds 1 and 2, the same node id
+
+    _stub_training(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        _, history = run_server(grid, path, Restart(), cache=RunSettings().cache)
+    row = next(r for r in history if (r["round"], r["client"]) == (2, "Academic"))
+    why = f"node {node} answers as client 'Committee', admitted as 'Academic'"
+    assert (row["failed"], row["error"], row["eval_failed"]) == (1, why, 1) and "val_loss" not in row
+    assert [r["client"] for r in history if r["round"] == 2 and "weight_share" in r] == ["Committee", "Product"]
+
+
 # ----------------------------------------------------------------------------------------------- privacy report
 def _result(setting, steps: int, examples: int = 10, clipped: int = 3):
     from pipeline.training.client_training import LocalTrainResult

@@ -494,7 +494,8 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
     # what leaves the client: the adapter's tensors, the counts, and the one 0/1 count of client-level DP
     assert set(small["arrays"].keys()) == set(received.keys())
     assert set(small["metrics"].keys()) == set(TRAIN_METRICS) | {CLIPPED_KEY}
-    assert not small.config_records
+    # and its client's name, which it gave at admission (the server checks the node still answers as that client)
+    assert {k: dict(v) for k, v in small.config_records.items()} == {"identity": {"client-name": "Committee"}}
 
 
 # ------------------------------------------------------------------------------------------ end to end

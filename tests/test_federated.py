@@ -305,8 +305,9 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     )
     reply = client_app(msg, context)
     content = reply.content
-    assert set(content.keys()) == {"arrays", "metrics"}
-    assert not content.config_records  # no strings of any kind travel back
+    assert set(content.keys()) == {"arrays", "metrics", "identity"}
+    # no strings travel back but the client's name, which it gave at admission (protocol.misnamed checks it)
+    assert {k: dict(v) for k, v in content.config_records.items()} == {"identity": {"client-name": "Committee"}}
     arrays = content["arrays"]
     # exactly the adapter's tensors, with the adapter's shapes: no token ids, no text
     assert set(arrays.keys()) == set(initial.keys())

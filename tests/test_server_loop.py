@@ -54,6 +54,10 @@ class Script:
     fail: set = field(default_factory=set)
     fail_eval: set = field(default_factory=set)
     bad_reply: set = field(default_factory=set)
+    odd_arrays: dict = field(default_factory=dict)  # (client, round) -> its reply's adapter state edited
+    # (client, round) -> metrics of its train / evaluate reply to replace (None: to leave out)
+    bad_metrics: dict = field(default_factory=dict)
+    bad_eval_metrics: dict = field(default_factory=dict)
     privacy: bool = False
     dp_clipped: dict = field(default_factory=dict)  # client -> the client-side clipping mod's "clipped" bit
     calls: list = field(default_factory=list)  # (kind, client, round, received state or None)
@@ -101,6 +105,7 @@ def scripted_app(script: Script):
 
             raise DataError(f"data/processed/examples.parquet: record 'ES2002a-{name}-17' has an empty source")
         local = {k: v + script.delta[name] for k, v in received.items()}
+        local = script.odd_arrays.get((name, rnd), lambda state: state)(local)
         arrays = encode_reply(local, plan, received)
         if (name, rnd) in script.bad_reply:  # an int8 tensor without its scale
             arrays = ArrayRecord.from_torch_state_dict(
@@ -132,7 +137,9 @@ def scripted_app(script: Script):
             )
         if name in script.dp_clipped:
             metrics["dp-update-clipped"] = script.dp_clipped[name]
-        content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)})
+        metrics = _replaced(metrics, script.bad_metrics.get((name, rnd), {}))
+        identity = ConfigRecord({"client-name": name})  # as client_app.train_round's
+        content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics), "identity": identity})
         count(name, rnd, sent=_nbytes(content))
         return Message(content, reply_to=msg)
 
@@ -145,18 +152,16 @@ def scripted_app(script: Script):
         count(name, rnd, received=_nbytes(msg.content))
         if (name, rnd) in script.fail_eval:
             raise RuntimeError(f"{name} cannot evaluate")
-        return Message(
-            RecordDict(
-                {
-                    "metrics": MetricRecord(
-                        {N: 2, "val-loss": float(script.val(name, rnd)), "val-tokens": 7, "best-round": rnd}
-                    )
-                }
-            ),
-            reply_to=msg,
-        )
+        metrics = {N: 2, "val-loss": float(script.val(name, rnd)), "val-tokens": 7, "best-round": rnd}
+        metrics = _replaced(metrics, script.bad_eval_metrics.get((name, rnd), {}))
+        identity = ConfigRecord({"client-name": name})
+        return Message(RecordDict({"metrics": MetricRecord(metrics), "identity": identity}), reply_to=msg)
 
     return app
+
+
+def _replaced(metrics: dict, changes: dict) -> dict:
+    return {k: changes.get(k, v) for k, v in metrics.items() if changes.get(k, v) is not None}
 
 
 class Grid:
@@ -191,6 +196,7 @@ class Grid:
         _set_server_identity(self.inner.run.run_id)
         self.gone: dict[int, set[str]] = {}
         self.restart: dict[int, set[str]] = {}
+        self.rename: dict[int, dict[int, str]] = {}  # round -> {node: the client name it answers as from then on}
         self.lost: set[tuple[str, int]] = set()
         self.lost_eval: set[tuple[str, int]] = set()  # evaluation replies only
         self.silent_error: set[tuple[str, int]] = set()  # train replies turned into an error without a reason
@@ -249,6 +255,8 @@ class Grid:
             ctx = self.inner.contexts.pop(old)
             ctx.node_id = old + 100
             self.inner.contexts[old + 100] = ctx
+        for node, name in self.rename.get(rnd, {}).items():  # restarted under --auth: the same node id
+            self.inner.contexts[node].node_config["client-name"] = name
 
 
 class Recorder:
@@ -730,6 +738,26 @@ def test_an_undecodable_reply_is_left_out_and_recorded(ws, caplog):
     )
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_reply_whose_arrays_are_not_the_adapters_is_left_out_not_the_servers_end(ws, caplog, dtype):
+    """A reply with an array the adapter lacks, or one of another shape: its client's failure for the round (one log
+    line naming the array); before, Flower's aggregate raised InconsistentMessageReplies (other keys than the other
+    replies') or NumPy/torch a broadcasting error (another shape) and ended the run."""
+    path = write_plan(f"loop-odd-arrays-{dtype}", "fedavg", rounds=1, fraction_train=1.0, transfer_dtype=dtype)
+    extra = lambda state: state | {"extra.weight": torch.zeros(2)}  # noqa: E731
+    reshaped = lambda state: {k: v[:1] if k == min(state) else v for k, v in state.items()}  # noqa: E731
+    script = Script(odd_arrays={("Academic", 1): extra, ("Committee", 1): reshaped})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script)
+    rows = rows_of(history, 1)
+    assert [c for c in rows if rows[c]["failed"]] == ["Academic", "Committee"]
+    assert "extra.weight" in rows["Academic"]["error"] and min(initial(path)) in rows["Committee"]["error"]
+    logs(logged(caplog), "round 1", "Academic", "extra.weight")
+    assert rows["Product"]["weight_share"] == 1.0
+    if dtype == "fp32":  # int8: Product's reply as quantised
+        assert_state(final, {k: v + DELTAS["Product"] for k, v in initial(path).items()}, exact=False)
+
+
 def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):
     """Whatever the order the replies arrive in: a different client's reply is undecodable in each of 3 rounds;
     each round aggregates exactly the other two."""
@@ -744,6 +772,31 @@ def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):
         assert all("weight_share" in rows[n] for n in clients if n != c)
     move = sum(weighted_update([n for n in clients if n != c], script) for c in bad.values())
     assert_state(final, {k: v + move for k, v in initial(path).items()}, exact=False)
+
+
+def test_a_reply_with_malformed_metrics_is_that_clients_failure_not_the_servers(ws, caplog):
+    """A train reply lacking a standard metric or holding a list where one number goes, an evaluation reply lacking
+    its validation loss: each is its client's failure for the round (one log line naming it and the problem), as an
+    undecodable reply is; the round aggregates the others (KeyError/TypeError ended the whole run before)."""
+    path = write_plan("loop-bad-metrics", "fedkd", rounds=2, fraction_train=1.0)
+    script = Script(
+        bad_metrics={("Academic", 1): {"num-steps": None}, ("Committee", 1): {"ce": [1.0, 2.0]}},
+        bad_eval_metrics={("Product", 2): {"val-loss": None}},
+    )
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, recorder = run(path, script)
+    r1, r2 = rows_of(history, 1), rows_of(history, 2)
+    assert [c for c in r1 if r1[c]["failed"]] == ["Academic", "Committee"] and "weight_share" not in r1["Academic"]
+    assert "num-steps" in r1["Academic"]["error"] and "ce" in r1["Committee"]["error"]
+    assert r1["Product"]["weight_share"] == 1.0 and [agg for _, agg, _, _ in recorder.rounds] == [True, True]
+    logs(logged(caplog), "round 1", "Academic", "num-steps")
+    logs(logged(caplog), "round 1", "Committee", "'ce'")
+    assert r2["Product"]["eval_failed"] == 1 and "val_loss" not in r2["Product"] and r2["Product"]["failed"] == 0
+    logs(logged(caplog), "round 2", "Product", "val-loss")
+    assert r2["Academic"]["val_loss"] == 2.0 and "eval_failed" not in r2["Academic"]
+    # round 1 moved the global by Product's update alone, round 2 by the three clients' weighted mean
+    step = DELTAS["Product"] + weighted_update(["Academic", "Committee", "Product"], script)
+    assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
 
 
 def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):
@@ -830,6 +883,33 @@ def test_a_round_in_which_every_node_is_gone_records_them_absent_and_the_next_ro
     step = weighted_update(["Academic", "Committee", "Product"], script)  # rounds 1 and 3
     assert_state(final, {k: v + 2 * step for k, v in initial(path).items()}, exact=False)
     assert [agg for _, agg, _, _ in recorder.rounds] == [True, False, True]
+
+
+def test_a_node_answering_as_another_client_than_it_was_admitted_as_fails_and_is_asked_its_name_again(ws, caplog):
+    """Under --auth a SuperNode restarted with another client-name keeps its node id, so the run's node map still
+    holds it as its old client: the node admitted as Academic answers round 2 as 'Committee'. Its train and
+    evaluate replies are Academic's failure for the round (naming both names), not aggregated; the node is
+    forgotten, so round 3 asks its name again and, Committee's node still answering, leaves it out: Academic is
+    absent; restarted as Academic again, round 4 admits it. Before, its update went in as Academic's."""
+    path = write_plan("loop-renamed", "fedavg", rounds=4, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    node = next(n for n in grid.inner.get_node_ids() if grid.name(n) == "Academic")
+    grid.rename = {2: {node: "Committee"}, 4: {node: "Academic"}}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script, grid=grid)
+    why = f"node {node} answers as client 'Committee', admitted as 'Academic'"
+    a2, a3, a4 = (rows_of(history, rnd)["Academic"] for rnd in (2, 3, 4))
+    assert (a2["failed"], a2["error"], a2["eval_failed"]) == (1, why, 1) and "weight_share" not in a2
+    assert "val_loss" not in a2 and a3["absent"] == 1 and a3["sampled"] == 0
+    assert a4["failed"] == 0 and a4["weight_share"] == pytest.approx(1 / 8) and a4["val_loss"] == 3.0
+    logs(logged(caplog), "round 2", "Academic", why)
+    logs(logged(caplog), "two nodes claim the same client name 'Committee'", str(node))
+    logs(logged(caplog), "client Academic (re)joined as node", str(node))
+    assert rows_of(history, 2)["Committee"]["weight_share"] == pytest.approx(2 / 7)
+    clients = ["Academic", "Committee", "Product"]
+    step = 2 * weighted_update(clients, script) + 2 * weighted_update(clients[1:], script)
+    assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
 
 
 def test_a_node_claiming_a_client_outside_the_plan_is_left_out(ws, caplog):
@@ -2083,13 +2163,41 @@ def test_fedadams_float64_global_sent_as_fp32_is_the_reference_of_the_next_pseud
     path = write_plan("loop-fp32-fedadam", "fedopt", rounds=2, fraction_train=1.0, fedopt=adam)
     script = Script()
     final, _, _ = run(path, script)
-    assert load_plan(path).train.transfer_dtype == "fp32" and {v.dtype for v in final.values()} == {torch.float64}
+    assert load_plan(path).train.transfer_dtype == "fp32" and built[0].v_t  # FedAdam stepped
     received = [state for kind, _, rnd, state in script.calls if kind == "train" and rnd == 2]
     assert len(received) == 3 and all(v.dtype == torch.float32 for v in received[0].values())
     reference = built[0].current_arrays  # round 2's, the last configure_train's
     assert reference.keys() == received[0].keys()
     for k, v in received[0].items():
         np.testing.assert_array_equal(reference[k], v.numpy(), err_msg=k)
+
+
+def test_fedadams_float64_global_is_kept_saved_and_returned_as_the_float32_the_clients_decode(ws, monkeypatch):
+    """Flower's FedAdam returns a float64 W; the global the server keeps (its round checkpoint, what run_server
+    returns: the deployed global_adapter.safetensors, MLflow's "global" model) is the model's float32, the rounding
+    of Flower's W, bit for bit what fp32 sends the clients (it was float64: twice the size, other bytes)."""
+    from flwr.serverapp import strategy as fs
+
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training import checkpoints
+
+    globals_ = []
+    real = fs.FedAdam.aggregate_train
+    monkeypatch.setattr(fs.FedAdam, "aggregate_train", lambda *a: globals_.append(real(*a)) or globals_[-1])
+    adam = {"server_optimizer": "adam", "server_lr": 0.1}
+    path = write_plan("loop-fp32-fedadam-saved", "fedopt", rounds=2, fraction_train=1.0, fedopt=adam)
+    script = Script()
+    final, _, _ = run(path, script)
+    flower = [{k: a.numpy() for k, a in arrays.items()} for arrays, _ in globals_]
+    assert len(flower) == 2 and {v.dtype for w in flower for v in w.values()} == {np.dtype(np.float64)}
+    assert {v.dtype for v in initial(path).values()} == {torch.float32}
+    ckpt = checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(load_plan(path)), load_plan(path))
+    received = [state for kind, _, rnd, state in script.calls if kind == "train" and rnd == 2][0]
+    for k, w in flower[1].items():
+        assert final[k].dtype == ckpt["arrays"][k].dtype == torch.float32, k
+        np.testing.assert_array_equal(final[k].numpy(), w.astype(np.float32), err_msg=k)
+        np.testing.assert_array_equal(ckpt["arrays"][k].numpy(), w.astype(np.float32), err_msg=k)
+        np.testing.assert_array_equal(received[k].numpy(), flower[0][k].astype(np.float32), err_msg=k)
 
 
 def test_fedavgm_takes_every_rounds_pseudo_gradient_against_the_lossy_downlink_not_only_the_first(ws):

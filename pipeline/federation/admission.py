@@ -125,9 +125,12 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None, for
     return named
 
 
-def connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
-    """The known clients connected now (a new node id, a restarted SuperNode, takes its client's place)."""
+def connected_nodes(
+    grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float, clients: list[str] | None = None
+) -> dict[int, str]:
+    """The known clients connected now (a new node id, a restarted SuperNode, takes its client's place; a node the
+    server forgot, one answering as another client, is asked again); ``clients``: the run's, else ``node_names``'."""
     current = set(grid.get_node_ids())
     if new := sorted(current - set(node_names)):
-        name_nodes(grid, plan_path, node_names, new, sorted(set(node_names.values())), timeout)
+        name_nodes(grid, plan_path, node_names, new, clients or sorted(set(node_names.values())), timeout)
     return {n: c for n, c in node_names.items() if n in current}

@@ -1,5 +1,6 @@
 """The ClientApp (Flower Message API, flwr 1.41): ``query.identify``, ``train`` (a reply holds tensors and counts
-only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize`` (federated evaluation)."""
+only, no text but the client's name) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize``
+(federated evaluation)."""
 
 from __future__ import annotations
 
@@ -191,6 +192,7 @@ def train_round(msg: Message, context: Context) -> Message:
     if (steps := privacy.dp_steps(context)) is not None:  # on disk before the reply leaves
         atomic.write_text(sent, json.dumps([rnd, before, steps]))
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
+    content["identity"] = ConfigRecord({"client-name": name})  # the server checks it: protocol.misnamed
     return Message(content, reply_to=msg)
 
 
@@ -230,4 +232,5 @@ def client_evaluate(msg: Message, context: Context) -> Message:
 
     metrics = {NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss), "val-tokens": int(val_tokens)}
     metrics |= {"best-round": int(progress["best-round"]), "is-best": int(is_best)}
-    return Message(RecordDict({METRICS_KEY: MetricRecord(metrics)}), reply_to=msg)
+    identity = ConfigRecord({"client-name": name})
+    return Message(RecordDict({METRICS_KEY: MetricRecord(metrics), "identity": identity}), reply_to=msg)

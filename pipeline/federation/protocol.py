@@ -38,6 +38,8 @@ TRAIN_METRICS = {
     "kd-fraction": ("kd_fraction", float),
     "proximal": ("proximal", float),
 }
+# What an evaluate reply's MetricRecord holds besides NUM_EXAMPLES_KEY (client_app.client_evaluate), as TRAIN_METRICS.
+EVAL_METRICS = {"val-loss": ("val_loss", float), "val-tokens": ("val_tokens", int), "best-round": ("best_round", int)}
 # Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
 # history row field (privacy_row) and type; an unbounded epsilon or max_grad_norm travels as -1.
 DP_METRICS = {
@@ -142,10 +144,15 @@ def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str,
     )
 
 
-def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] | None) -> ArrayRecord:
+def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> ArrayRecord:
     """Server side: a reply's float32 local adapter as the strategy aggregates it; ``sent`` = this round's decoded
     global (as the client decoded it, bit for bit). Float32 arrays without a delta are that already (decoding and
-    encoding again gives their bytes back): the record is not read."""
+    encoding again gives their bytes back): the record is not read. Arrays other than the adapter's (by key and
+    shape) raise ValueError naming them."""
+    adapter = {k: tuple(v.shape) for k, v in sent.items()}
+    shapes = {k: tuple(a.shape) for k, a in record.items() if not k.endswith(SCALE_SUFFIX)}
+    if odd := sorted(k for k in shapes.keys() | adapter.keys() if shapes.get(k) != adapter.get(k)):
+        raise ValueError(f"its arrays are not the adapter's (other keys or shapes): {odd[:4]}")
     delta = delta_encoded(plan)
     if not delta and all(a.dtype == "float32" and not k.endswith(SCALE_SUFFIX) for k, a in record.items()):
         return record
@@ -166,6 +173,14 @@ def unanswered(messages: list[Message], replies: dict[int, Message]) -> list[int
     return [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in replies]
 
 
+def misnamed(reply: Message, node: int, admitted: str) -> str | None:
+    """Why a train or evaluate reply of ``node``, admitted as client ``admitted``, does not count: it names another
+    client (under --auth a SuperNode restarted with another client-name keeps its node id); None if it names the same
+    or none (SecAgg+'s train stages carry the protocol's records only: the round's evaluate reply names it)."""
+    named = reply.content.config_records.get("identity", {}).get("client-name")
+    return None if named in (None, admitted) else f"node {node} answers as client {named!r}, admitted as {admitted!r}"
+
+
 def error_line(reply: Message) -> str:
     """A failed reply's reason, its first line (a client's is one line, docs/privacy.md), or its code if it has none."""
     return reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
@@ -176,8 +191,22 @@ def payload_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.array_records.values())
 
 
+def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple[str, type]]) -> dict[str, Any]:
+    """A reply's metrics ``spec`` names (key -> history row field, type) as the row's fields; a key missing or a value
+    not one number of its type (an int: whole) raises ValueError naming it (a malformed reply: its client's failure)."""
+    if odd := {key: m.get(key) for key, (_, kind) in spec.items() if not _number(m.get(key), kind)}:
+        raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
+    return {field: kind(m[key]) for key, (field, kind) in spec.items()}
+
+
+def _number(value: Any, kind: type) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return kind is float or float(value).is_integer()
+
+
 def privacy_row(m: MetricRecord) -> dict[str, Any]:
     """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
-    row: dict[str, Any] = {field: kind(m[key]) for key, (field, kind) in DP_METRICS.items()}
+    row = metrics_row(m, DP_METRICS)
     row |= {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
     return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}

@@ -19,6 +19,7 @@ from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
+    EVAL_METRICS,
     METRICS_KEY,
     PLAN_HASH,
     SECAGG_CLIPPED_KEY,
@@ -30,6 +31,8 @@ from pipeline.federation.protocol import (
     encode_global,
     error_line,
     load_plan,
+    metrics_row,
+    misnamed,
     payload_bytes,
     privacy_row,
     replies_by_node,
@@ -74,6 +77,7 @@ class _Round:
     client_level: Any = None
     clipping_norm: float | None = None
     clipped: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    misnamed: set[int] = field(default_factory=set)  # nodes answering as another client: forgotten after the round
 
 
 def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
@@ -134,7 +138,7 @@ def run_server(
             log.info(
                 "%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment, rnd, late
             )
-        connected = connected_nodes(grid, plan_path, node_names, round_timeout_s)
+        connected = connected_nodes(grid, plan_path, node_names, round_timeout_s, clients)
         admitted = [n for n, c in sorted(connected.items(), key=lambda nc: nc[1]) if c != late or joined_at is not None]
         view = GridView(grid, admitted)  # a new client joins at its round
         # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
@@ -164,7 +168,8 @@ def run_server(
         # client-level DP each update weighs 1 / the expected count, whoever replied).
         _record_weight_shares(rows, client_level)
         if new_arrays is not None:
-            arrays, state = new_arrays, new_arrays.to_torch_state_dict()
+            # in the model's dtype: Flower's FedAdam returns a float64 W (it steps from current_arrays, the downlink)
+            state = {k: v.to(state[k].dtype) for k, v in new_arrays.to_torch_state_dict().items()}
             if client_level is not None:
                 client_level.record(rows, exchange.clipped, clipping_norm)
         else:
@@ -182,7 +187,7 @@ def run_server(
         history.extend(round_rows)
         save_server_checkpoint(plan, rnd, state, strategy, history)
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None), history)
-    return arrays, history
+    return ArrayRecord.from_torch_state_dict(state), history
 
 
 def _resume(plan: Plan, strategy, ckpt: dict[str, Any] | None) -> tuple[int, ArrayRecord, list[dict]]:
@@ -222,7 +227,8 @@ def _record_weight_shares(rows: dict[str, dict[str, Any]], client_level) -> None
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:
     """The evaluate step of a round: each reply's validation loss, tokens and best round into its client's row; a
-    client whose reply failed or did not come within the timeout is logged and marked ``eval_failed``."""
+    client whose reply failed, is malformed or did not come within the timeout is logged and marked ``eval_failed``
+    (the strategy's aggregate of the replies' metrics is not used: not asked for)."""
     for m in messages:
         m.content[ARRAYS_KEY] = downlink
         r.rows[r.node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
@@ -233,20 +239,24 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         if reply.has_error():
             why[row["client"]] = error_line(reply)
             continue
-        m = reply.content[METRICS_KEY]
-        row.update(val_loss=float(m["val-loss"]), val_tokens=int(m["val-tokens"]), best_round=int(m["best-round"]))
+        if wrong := misnamed(reply, node, row["client"]):
+            why[row["client"]] = wrong
+            r.misnamed.add(node)
+            continue
+        try:
+            row.update(metrics_row(reply.content.metric_records.get(METRICS_KEY, {}), EVAL_METRICS))
+        except ValueError as exc:
+            why[row["client"]] = f"it cannot be decoded: {exc}"
     for name, reason in why.items():
         r.rows[name]["eval_failed"] = 1
         log.warning("round %d: client %s failed to evaluate: %s", r.rnd, name, reason)
-    if any(not reply.has_error() for reply in replies.values()):
-        r.strategy.aggregate_evaluate(r.rnd, list(replies.values()))
+    for node in r.misnamed:  # the round's last message sent: the next connected_nodes asks its name again
+        del r.node_names[node]
 
 
-def _record_train_metrics(row: dict[str, Any], m) -> None:
-    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) into its history row."""
-    row.update({field: kind(m[key]) for key, (field, kind) in TRAIN_METRICS.items()})
-    if "dp-epsilon" in m:
-        row.update(privacy_row(m))
+def _train_metrics(m) -> dict[str, Any]:
+    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) as its history row's fields."""
+    return metrics_row(m, TRAIN_METRICS) | (privacy_row(m) if "dp-epsilon" in m else {})
 
 
 def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
@@ -272,8 +282,14 @@ def _train_in_the_clear(
             _left_out(r, row, f"it failed: {row['error']}")
             continue
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
+        if why := misnamed(reply, node, row["client"]):
+            r.misnamed.add(node)
+            left_out.add(id(reply))
+            _left_out(r, row, why)
+            continue
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
         try:
+            metrics = _train_metrics(reply.content.metric_records.get(METRICS_KEY, {}))
             reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
             update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
             why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
@@ -285,7 +301,7 @@ def _train_in_the_clear(
             continue
         if r.client_level is not None:
             r.clipped[row["client"]] = update
-        _record_train_metrics(row, reply.content[METRICS_KEY])
+        row.update(metrics)
     for node in unanswered(messages, replies):
         _left_out(r, r.rows[r.node_names[node]], f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
     return r.strategy.aggregate_train(r.rnd, [reply for reply in replies.values() if id(reply) not in left_out])[0]
@@ -300,7 +316,7 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
         row = r.rows[r.node_names[node]]
         row["bytes_down"], row["bytes_up"] = outcome.bytes_down, outcome.bytes_up
         if outcome.metrics is not None:
-            _record_train_metrics(row, outcome.metrics)
+            row.update(_train_metrics(outcome.metrics))
             row["secagg_clipped"] = int(outcome.metrics[SECAGG_CLIPPED_KEY])
         stage_error = f"SecAgg+ {outcome.failed_stage}: {outcome.error}" if outcome.failed_stage else None
         if result.arrays is None or node not in result.in_sum:
