@@ -1147,3 +1147,41 @@ def test_a_superlink_still_starting_does_not_pass_for_listening_on_a_port_anothe
         with pytest.raises(FederationError, match=r"^superlink exited \(status 1\).*address already in use"):
             fed.start()
     assert not fed.supernodes
+
+
+def test_a_node_the_run_forgot_comes_back_for_the_evaluation_as_one_of_the_runs_clients(ws):
+    """A node answering as another client is forgotten after its round (server_app: the next connected_nodes asks
+    its name again); back under its own name before the final federated evaluation, it is one of the run's
+    clients, not refused as 'not among the clients' of the node map that no longer lists it."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.client_app import client_identify
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+
+    app = ClientApp()
+    app.query("identify")(client_identify)  # the real admission answer: name, plan hash, split sizes
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        name = context.node_config["client-name"]
+        score = {"Academic": 30.0, "Committee": 20.0, "Product": 10.0}[name]
+        metrics = MetricRecord({k: score for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0})
+        return Message(RecordDict({"identity": ConfigRecord({"client-name": name}), "metrics": metrics}), reply_to=msg)
+
+    path = write_plan("dep-forgotten", "fedavg")
+    plan = load_plan(path)
+    grid = InProcessGrid(app, [{"client-name": c, "plan": path} for c in plan.clients])
+    _set_server_identity(grid.run.run_id)
+    by_name = {grid.contexts[n].node_config["client-name"]: n for n in grid.get_node_ids()}
+    nodes = {by_name["Committee"]: "Committee", by_name["Product"]: "Product"}  # Academic's node was forgotten
+    fed = federated_evaluate(grid, plan, path, EvaluateConfig(), timeout=5, nodes=nodes, clients=list(plan.clients))
+    assert {c: v["avg_rouge"] for c, v in fed["clients"].items()} == {
+        "Academic": 30.0,
+        "Committee": 20.0,
+        "Product": 10.0,
+    }
+    assert fed["failed_clients"] == {}

@@ -100,11 +100,19 @@ class ServerRunConfig:
 
 
 def federated_evaluate(
-    grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float, nodes: dict[int, str] | None = None
+    grid: Grid,
+    plan: Plan,
+    plan_path: str,
+    cfg: EvaluateConfig,
+    timeout: float,
+    nodes: dict[int, str] | None = None,
+    clients: list[str] | None = None,
 ) -> dict[str, Any]:
     """Ask every connected client (of ``nodes``, the run's node -> client map, when given: a node of another
-    experiment naming a client of the plan is not asked) for its test ROUGE; returns metrics.json's content."""
-    node_ids = sorted(grid.get_node_ids() if nodes is None else connected_nodes(grid, plan_path, nodes, timeout))
+    experiment naming a client of the plan is not asked; a new node naming one of ``clients``, the run's, takes its
+    place) for its test ROUGE; returns metrics.json's content."""
+    connected = None if nodes is None else connected_nodes(grid, plan_path, nodes, timeout, clients)
+    node_ids = sorted(grid.get_node_ids() if connected is None else connected)
     config = ConfigRecord({"plan": plan_path, PLAN_HASH: plan_hash(plan), "evaluate": json.dumps(asdict(cfg))})
     queries = [
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
@@ -191,9 +199,11 @@ class DeploymentRecorder(TrainRecorder):
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
         self.per_round: list[dict[str, Any]] = []
         self.nodes: dict[int, str] | None = None  # the run's node -> client map (run_server sets it)
+        self.clients: list[str] | None = None
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
         super().started(plan, clients, start_round)
+        self.clients = clients  # the run's: a node the server forgot (misnamed) may come back as one
         if start_round > 1 and (saved := PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL).exists():  # resumed: kept
             self.per_round = [r for r in json.loads(saved.read_text())["rounds"] if r["round"] < start_round]
 
@@ -201,7 +211,7 @@ class DeploymentRecorder(TrainRecorder):
         super().round_done(plan, entry, history)
         if self.cfg is None or self.every <= 0 or entry.round % self.every or entry.round >= plan.train.rounds:
             return
-        metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout, self.nodes)
+        metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout, self.nodes, self.clients)
         self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ROUND_KEYS})
         atomic.write_json(
             PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL, {"experiment": plan.experiment, "rounds": self.per_round}
@@ -272,7 +282,9 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
 
         eval_metrics = None
         if cfg is not None:
-            eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, round_timeout, recorder.nodes)
+            eval_metrics = federated_evaluate(
+                grid, plan, plan_path, cfg, round_timeout, recorder.nodes, recorder.clients
+            )
             kept = (ROUNDS_EVAL,) if recorder.per_round or checkpoint else ()  # this run's evaluations every N rounds
             eval_path = write_eval_metrics(plan, eval_metrics, keep=kept)
             scores = {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}
