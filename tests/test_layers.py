@@ -218,8 +218,13 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # the round-budget text over the evaluated runs with the main runs' tau (+28), one `unanswered` for three
 # near-copies (+6), FedAdam's reference the clients' decoded global (+1), a timed-out flwr call in one line (+5), a
 # renamed --auth node's score refused (+2), human-evaluation sheets bound to their kit and a malformed key in one
-# line (+26), check_client_plans skipping plans without client-level DP or SecAgg+ (+3).
-PACKAGE_LINE_CEILING = 14_936
+# line (+26), check_client_plans skipping plans without client-level DP or SecAgg+ (+3). Its second
+# round, +86: a client's malformed or misshapen reply is that client's failure, not the server's end (+23); a node
+# answering as another client fails its round and is asked its name again (+27), and comes back for the deployed
+# evaluation (+12); the server keeps FedAdam's global in the model's dtype (+1); the round-budget marks read the
+# client's kept round, one MiniLM path resolver for the backbone and the cluster scheme, tau with its unit and a
+# kit id a spreadsheet cannot read as a number (+23).
+PACKAGE_LINE_CEILING = 15_022
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
