@@ -1947,7 +1947,7 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
     plan = load_plan(write_plan("dep-every-disk", "fedavg", rounds=5))
     asked = []
 
-    def evaluate(grid, plan_, plan_path, cfg, timeout, nodes=None):
+    def evaluate(grid, plan_, plan_path, cfg, timeout, nodes=None, clients=None):
         asked.append(len(asked) + 1)
         return {
             "clients": {"Academic": {"avg_rouge": float(len(asked))}},
@@ -1978,7 +1978,7 @@ def test_a_resumed_run_keeps_the_federated_evaluations_of_its_rounds_before_the_
 
     plan = load_plan(write_plan("dep-every-resume", "fedavg", rounds=5))
 
-    def evaluate(grid, plan_, plan_path, cfg, timeout, nodes=None):
+    def evaluate(grid, plan_, plan_path, cfg, timeout, nodes=None, clients=None):
         return {"clients": {}, "skipped_clients": {}, "mean": {"avg_rouge": 1.0}, "failed_clients": {}}
 
     monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
