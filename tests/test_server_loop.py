@@ -58,6 +58,8 @@ class Script:
     # (client, round) -> metrics of its train / evaluate reply to replace (None: to leave out)
     bad_metrics: dict = field(default_factory=dict)
     bad_eval_metrics: dict = field(default_factory=dict)
+    more_metrics: dict = field(default_factory=dict)  # (client, round) -> metrics added to its train reply
+    more_records: dict = field(default_factory=dict)  # (client, round) -> records added to its train reply
     privacy: bool = False
     dp_clipped: dict = field(default_factory=dict)  # client -> the client-side clipping mod's "clipped" bit
     calls: list = field(default_factory=list)  # (kind, client, round, received state or None)
@@ -137,9 +139,11 @@ def scripted_app(script: Script):
             )
         if name in script.dp_clipped:
             metrics["dp-update-clipped"] = script.dp_clipped[name]
-        metrics = _replaced(metrics, script.bad_metrics.get((name, rnd), {}))
+        metrics = _replaced(metrics, script.bad_metrics.get((name, rnd), {})) | script.more_metrics.get((name, rnd), {})
         identity = ConfigRecord({"client-name": name})  # as client_app.train_round's
         content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics), "identity": identity})
+        for key, record in script.more_records.get((name, rnd), {}).items():
+            content[key] = record
         count(name, rnd, sent=_nbytes(content))
         return Message(content, reply_to=msg)
 
@@ -498,13 +502,13 @@ def test_a_failure_without_a_reason_is_recorded_by_its_error_code(ws, caplog):
     assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
 
 
-def _client_dp(path: str, **privacy) -> str:
+def _client_dp(path: str, mode: str = "client", **privacy) -> str:
     from pipeline.common.config import from_dict
     from pipeline.experiments.privacy import PrivacyConfig
 
     plan = json.loads(Path(path).read_text())
     plan["privacy"] = from_dict(
-        PrivacyConfig, {"mode": "client", "noise_multiplier": 0.0, **privacy}, "privacy"
+        PrivacyConfig, {"mode": mode, "noise_multiplier": 0.0, **privacy}, "privacy"
     ).plan_dict()
     Path(path).write_text(json.dumps(plan, indent=2, sort_keys=True))
     return path
@@ -799,6 +803,34 @@ def test_a_reply_with_malformed_metrics_is_that_clients_failure_not_the_servers(
     assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
 
 
+def test_a_reply_with_other_metric_keys_or_records_than_the_plans_is_that_clients_failure(ws, caplog):
+    """Flower's FedAvg aggregates a round only if its replies hold one ArrayRecord and one MetricRecord with the same
+    keys (else InconsistentMessageReplies ended the run): a reply with a key the plan's replies lack (an extra one,
+    the DP-SGD report under a plan without example-level DP) or a second record is its client's failure (one log
+    line naming it); round 1 and round 2 move the global by Product's update alone, by hand."""
+    from flwr.app import ArrayRecord, MetricRecord
+
+    path = write_plan("loop-odd-keys", "fedavg", rounds=2, fraction_train=1.0)
+    dp = {"dp-epsilon": 1.0, "dp-delta": 1e-5, "dp-noise-multiplier": 1.0, "dp-max-grad-norm": 1.0}
+    dp |= {"dp-sample-rate": 0.5, "dp-steps": 2, "dp-examples": 4, "dp-clipped": 0}
+    script = Script(
+        more_metrics={("Academic", 1): {"extra": 1.0}, ("Committee", 1): dp},
+        more_records={("Academic", 2): {"more": MetricRecord({"x": 1.0})}, ("Committee", 2): {"more": ArrayRecord()}},
+    )
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, recorder = run(path, script)
+    r1, r2 = rows_of(history, 1), rows_of(history, 2)
+    for rows in (r1, r2):
+        assert [c for c in rows if rows[c]["failed"]] == ["Academic", "Committee"]
+        assert rows["Product"]["weight_share"] == 1
+    assert "'extra'" in r1["Academic"]["error"] and "dp-epsilon" in r1["Committee"]["error"]
+    assert "epsilon" not in r1["Committee"] and "more" in r2["Academic"]["error"] and "more" in r2["Committee"]["error"]
+    logs(logged(caplog), "round 1", "Academic", "extra")
+    logs(logged(caplog), "round 2", "Committee", "more")
+    assert [agg for _, agg, _, _ in recorder.rounds] == [True, True]
+    assert_state(final, {k: v + 2 * DELTAS["Product"] for k, v in initial(path).items()}, exact=False)
+
+
 def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):
     path = write_plan("loop-evalfail", "fedkd", rounds=1, fraction_train=1.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
@@ -826,7 +858,7 @@ def test_an_evaluation_reply_lost_on_the_way_is_logged_and_recorded_as_a_failed_
 
 
 def test_privacy_reports_become_the_rows_privacy_fields(ws):
-    path = write_plan("loop-privacy", "fedkd", rounds=1, fraction_train=1.0)
+    path = _client_dp(write_plan("loop-privacy", "fedkd", rounds=1, fraction_train=1.0), mode="example")
     _, history, _ = run(path, Script(privacy=True))
     row = rows_of(history, 1)["Academic"]
     assert (row["epsilon"], row["max_grad_norm"], row["dp_steps"], row["clipped_fraction"]) == (3.0, None, 4, 0.25)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
 from pipeline.common.config import from_dict
 from pipeline.experiments.plans import Plan, read_plan
@@ -197,6 +198,26 @@ def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple[str, type]]) -> di
     if odd := {key: m.get(key) for key, (_, kind) in spec.items() if not _number(m.get(key), kind)}:
         raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
     return {field: kind(m[key]) for key, (field, kind) in spec.items()}
+
+
+def train_reply_metrics(content: RecordDict, plan: Plan) -> MetricRecord:
+    """A train reply's MetricRecord in the clear, checked as Flower's strategies need every reply of a round (or they
+    raise InconsistentMessageReplies, ending the run): the reply holds one ArrayRecord ARRAYS_KEY and one MetricRecord
+    METRICS_KEY with the keys ``plan``'s replies hold, each one number: TRAIN_METRICS; DP_METRICS under example-level
+    DP; under client-side clipping Flower's mod's KEY_NORM_BIT if adaptive, and CLIPPED_KEY (a reply without it is
+    ClientLevelDP.clipped's: not clipped within C). Else ValueError naming what differs."""
+    records = (list(content.array_records), list(content.metric_records))
+    if records != ([ARRAYS_KEY], [METRICS_KEY]):
+        raise ValueError(f"its array and metric records are not [{ARRAYS_KEY!r}], [{METRICS_KEY!r}]: {records}")
+    p, m = plan.privacy, content.metric_records[METRICS_KEY]
+    keys = set(TRAIN_METRICS) | (set(DP_METRICS) if p is not None and p.mode == "example" else set())
+    if p is not None and p.mode == "client" and p.clipping_side == "client":
+        keys |= ({KEY_NORM_BIT} if p.clipping == "adaptive" else set()) | ({CLIPPED_KEY} & m.keys())
+    if extra := sorted(m.keys() - keys):
+        raise ValueError(f"its metrics hold keys the plan's replies do not: {extra}")
+    if odd := {key: m.get(key) for key in sorted(keys) if not _number(m.get(key), float)}:
+        raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
+    return m
 
 
 def _number(value: Any, kind: type) -> bool:

@@ -36,6 +36,7 @@ from pipeline.federation.protocol import (
     payload_bytes,
     privacy_row,
     replies_by_node,
+    train_reply_metrics,
     unanswered,
 )
 from pipeline.federation.strategies.catalog import build_strategy
@@ -289,7 +290,7 @@ def _train_in_the_clear(
             continue
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
         try:
-            metrics = _train_metrics(reply.content.metric_records.get(METRICS_KEY, {}))
+            metrics = _train_metrics(train_reply_metrics(reply.content, plan))
             reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
             update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
             why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
