@@ -831,6 +831,29 @@ def test_a_reply_with_other_metric_keys_or_records_than_the_plans_is_that_client
     assert_state(final, {k: v + 2 * DELTAS["Product"] for k, v in initial(path).items()}, exact=False)
 
 
+def test_a_reply_that_trained_nothing_is_that_clients_failure_not_fednovas_or_a_division_by_zero(ws, caplog):
+    """num-steps 0 (FedNova raised ValueError: it divides by each client's steps) and, in round 2, num-examples 0 in
+    every reply (Flower's metric aggregation, FedAvg's and FedNova's, divides by the weights' sum: ZeroDivisionError,
+    as the weight shares would): each such reply is its client's failure (a genuine client trains at least one
+    example in one step; one with an empty train split cannot identify). By hand: round 1 is FedNova of Committee
+    and Product, round 2 keeps it."""
+    path = write_plan("loop-trained-nothing", "fednova", rounds=2, fraction_train=1.0)
+    nothing = {("Academic", 1): {"num-steps": 0}} | {(c, 2): {N: 0} for c in ("Academic", "Committee", "Product")}
+    script = Script(bad_metrics=nothing)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, recorder = run(path, script)
+    r1, r2 = rows_of(history, 1), rows_of(history, 2)
+    assert [c for c in r1 if r1[c]["failed"]] == ["Academic"] and "num-steps 0" in r1["Academic"]["error"]
+    assert all(r2[c]["failed"] and "num-examples 0" in r2[c]["error"] for c in r2)
+    logs(logged(caplog), "round 1", "Academic", "no training")
+    assert "round 2: no client update; the global adapter stays as it was" in logged(caplog)
+    assert [agg for _, agg, _, _ in recorder.rounds] == [True, False]
+    p = {"Committee": 2 / 7, "Product": 5 / 7}  # |D_i| / |D| over the two replies; tau = 2, 4 steps
+    tau_eff = p["Committee"] * 2 + p["Product"] * 4
+    move = tau_eff * (p["Committee"] * DELTAS["Committee"] / 2 + p["Product"] * DELTAS["Product"] / 4)
+    assert_state(final, {k: v + move for k, v in initial(path).items()}, exact=False)
+
+
 def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):
     path = write_plan("loop-evalfail", "fedkd", rounds=1, fraction_train=1.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):

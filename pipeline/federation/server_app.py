@@ -256,8 +256,13 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
 
 
 def _train_metrics(m) -> dict[str, Any]:
-    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) as its history row's fields."""
-    return metrics_row(m, TRAIN_METRICS) | (privacy_row(m) if "dp-epsilon" in m else {})
+    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) as its history row's fields;
+    ValueError unless it trained (num-examples, num-steps at least 1: FedAvg divides by the weights' sum, FedNova by
+    each client's steps; a client with an empty train split cannot even identify: client_data.read_partition)."""
+    row = metrics_row(m, TRAIN_METRICS) | (privacy_row(m) if "dp-epsilon" in m else {})
+    if row["weight"] < 1 or row["n_steps"] < 1:
+        raise ValueError(f"it reports no training: num-examples {row['weight']}, num-steps {row['n_steps']}")
+    return row
 
 
 def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
