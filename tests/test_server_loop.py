@@ -1607,6 +1607,41 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
     assert exchange.clipped == {}
 
 
+def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_as_a_halted_one(caplog):
+    """Committee's masked vector is in the sum, its metrics hold a list for secagg-clipped (int() raised TypeError
+    and ended the run): the sum cannot be taken apart, so the round is not released, as when the protocol halts:
+    every sampled client failed, saying why, the global stays (None); under client-level DP the wrapper releases W
+    and its noise (nobody in the sum: arrays None, 0 clipped of 0)."""
+    from pipeline.federation.server_app import _Round, _train_secure
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
+
+    class Wrapper:
+        calls: list = []
+
+        def release_secure_mean(self, rnd, arrays, clipped_count, summed):
+            self.calls.append((rnd, arrays, clipped_count, summed))
+            return "W and noise"
+
+    names = {11: "Academic", 12: "Committee", 13: "Product"}
+    for strategy, returned in ((None, None), (Wrapper(), "W and noise")):
+        nodes = {
+            11: NodeOutcome(metrics=_secure_metrics(1)),
+            12: NodeOutcome(metrics=_secure_metrics(2) | {"secagg-clipped": [1, 2]}),
+            13: NodeOutcome(failed_stage="share_keys", error="timeout"),
+        }
+        result = SecureRound(arrays=object(), threshold=2, num_shares=3, in_sum={11, 12}, clipped_count=0, nodes=nodes)
+        rows = _secure_rows(names.values())
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+            assert _train_secure(
+                _ScriptedSecure(result), _Round(None, strategy, 3, rows, names, 5.0, strategy), ["m"] * 3
+            ) == (returned)
+        assert all(rows[c]["failed"] == 1 for c in rows) and rows["Product"]["error"] == "SecAgg+ share_keys: timeout"
+        assert "secagg-clipped" in rows["Committee"]["error"] and "['Committee']" in rows["Academic"]["error"]
+        assert len(logged(caplog)) == 3 and logs(logged(caplog), "round 3", "Committee", "secagg-clipped")
+    assert Wrapper.calls == [(3, None, 0, 0)]
+
+
 def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound

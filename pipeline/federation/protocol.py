@@ -57,6 +57,7 @@ DP_METRICS = {
 CLIPPED_KEY = "dp-update-clipped"
 # Added under SecAgg+: the upload coordinates its quantiser clipped to +-clipping_range.
 SECAGG_CLIPPED_KEY = "secagg-clipped"
+SECAGG_METRICS = {SECAGG_CLIPPED_KEY: ("secagg_clipped", int)}  # as TRAIN_METRICS
 
 
 # A client's run-time settings (RunSettings.cache; none changes a result); a client never reads a params file.

@@ -22,7 +22,7 @@ from pipeline.federation.protocol import (
     EVAL_METRICS,
     METRICS_KEY,
     PLAN_HASH,
-    SECAGG_CLIPPED_KEY,
+    SECAGG_METRICS,
     TRAIN_METRICS,
     GridView,
     client_settings_config,
@@ -316,18 +316,28 @@ def _train_in_the_clear(
 def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | None:
     """The train step of a SecAgg+ round (``secure``: privacy's SecureAggregator, built by its seam); under client-level
     DP the noise is added to the unmasked mean here, and ``r.clipped`` gets each summed client's share of the clipped
-    count (whose updates, the server does not learn)."""
-    result = secure.train_round(r.grid, messages, r.rnd)
+    count (whose updates, the server does not learn). A summed client whose metrics cannot be decoded fails the
+    round: its masked vector cannot be taken out of the sum, which is not released (the global stays, as when the
+    protocol halts)."""
+    result, undecodable = secure.train_round(r.grid, messages, r.rnd), []
     for node, outcome in result.nodes.items():
         row = r.rows[r.node_names[node]]
         row["bytes_down"], row["bytes_up"] = outcome.bytes_down, outcome.bytes_up
-        if outcome.metrics is not None:
-            row.update(_train_metrics(outcome.metrics))
-            row["secagg_clipped"] = int(outcome.metrics[SECAGG_CLIPPED_KEY])
+        try:
+            if outcome.metrics is not None:
+                row.update(_train_metrics(outcome.metrics) | metrics_row(outcome.metrics, SECAGG_METRICS))
+        except ValueError as exc:
+            row["error"] = f"it cannot be decoded: {exc}"
+            undecodable += [row["client"]] if node in result.in_sum else []
+    if undecodable and result.arrays is not None:
+        result.arrays = None
+        result.halted = f"not released: the SecAgg+ sum holds the update of {undecodable}, which cannot be decoded"
+    for node, outcome in result.nodes.items():
+        row = r.rows[r.node_names[node]]
         stage_error = f"SecAgg+ {outcome.failed_stage}: {outcome.error}" if outcome.failed_stage else None
         if result.arrays is None or node not in result.in_sum:
-            row["error"] = stage_error or result.halted
-            _left_out(r, row, f"not in the SecAgg+ sum: {row['error']}")
+            row.setdefault("error", stage_error or result.halted)
+            _left_out(r, row, row["error"] if node in result.in_sum else f"not in the SecAgg+ sum: {row['error']}")
         elif stage_error:  # its masked vector is in the sum; the others' shares unmasked it
             row["secagg_error"] = stage_error
     summed = len(result.in_sum)
@@ -336,7 +346,9 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
             f"round {r.rnd}: SecAgg+ unmasked the sum of {summed} of {len(messages)} sampled clients "
             f"(threshold {result.threshold} of {result.num_shares} shares)"
         )
-    if result.arrays is None and r.client_level is not None:  # nobody in the sum: W and the noise, as in the clear
+    if (
+        result.arrays is None and r.client_level is not None
+    ):  # none summed or released: W and the noise, as in the clear
         return r.strategy.release_secure_mean(r.rnd, None, 0, 0)
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
