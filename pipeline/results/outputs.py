@@ -17,6 +17,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.experiments.entries import Experiment
+from pipeline.experiments.train_config import UNITS
 from pipeline.paths import ProjectPaths
 from pipeline.results import claims, comparisons, figures, human_eval, tables
 from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
@@ -99,6 +100,14 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
     scale = claims.ClaimScale(
         cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps, ratios, inp.bootstrap.level
     )
+    # A KD record written before kd_analysis.json held tau_unit: the unit of the entropy_log_base its runs are declared
+    # with in the study's params, when all of them are, as one absolute entropy gate at its tau (else none is given).
+    if (kd := records[1]) and kd.get("tau") is not None and "tau_unit" not in kd:
+        ran = {n for c in (kd.get("clients") or {}).values() for n in c.get("experiments", [])}
+        gates = {(e.tau, e.tau_scale, e.kd_gate, UNITS[e.entropy_log_base]) for e in inp.planned if e.name in ran}
+        every = len(ran) == sum(e.name in ran for e in inp.planned)
+        if every and len(gates) == 1 and (gate := gates.pop())[:3] == (kd["tau"], "absolute", "entropy"):
+            kd["tau_unit"] = gate[3]
     return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
 
 
