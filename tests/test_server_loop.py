@@ -1281,6 +1281,52 @@ def test_a_node_failing_to_identify_is_left_out_until_it_answers(ws, caplog):
     assert node_names == {1000: "Academic", 1002: "Product", 1099: "Committee"}  # the old node is forgotten
 
 
+def _metric_record():
+    from flwr.app import MetricRecord
+
+    return MetricRecord({"client-name": 1})
+
+
+@pytest.mark.parametrize(
+    "corrupt, problem",
+    [
+        (lambda c: c.pop("identity"), "identity"),
+        (lambda c: c["identity"].pop("client-name"), "client-name"),
+        (lambda c: (c.pop("identity"), c.__setitem__("identity", _metric_record())), "identity"),
+        (lambda c: c["identity"].__setitem__("num-train", "many"), "num-train"),
+    ],
+)
+def test_a_malformed_identify_reply_leaves_its_node_out_not_the_servers_run(ws, caplog, corrupt, problem):
+    """A deployed node answering query.identify without a readable identity (no identity ConfigRecord, no client-name,
+    a num-train that is no whole number) is a node that failed to identify: at admission the run names it, mid-run it
+    is left out with one line naming the node and the problem, and asked again next time (before: KeyError,
+    TypeError, ValueError ended the run)."""
+    from pipeline.federation.admission import connected_nodes, identify_clients
+
+    path = write_plan("loop-badidentity", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    send, bad = grid.send_and_receive, [1002]
+
+    def send_and_receive(messages, *, timeout=None):
+        replies = list(send(messages, timeout=timeout))
+        for r in replies:
+            if r.metadata.src_node_id in bad:
+                r.content["identity"]["num-train"] = 5  # the reply under start_over, with its sizes
+                corrupt(r.content)
+        return replies
+
+    grid.send_and_receive = send_and_receive
+    with pytest.raises(RuntimeError, match=f"node 1002 failed to identify: .*{problem}"):
+        identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=5, sizes={})
+    node_names = {1000: "Academic", 1001: "Committee", 9: "Product"}  # Product's SuperNode restarts as node 1002
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1001: "Committee"}
+    assert len(logged(caplog)) == 1 and logs(logged(caplog), "node 1002", "left out", problem)
+    assert node_names == {1000: "Academic", 1001: "Committee", 9: "Product"}
+    bad.clear()  # asked again, it answers
+    assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+
+
 def test_the_server_waits_for_every_planned_client_to_connect(ws, caplog):
     from pipeline.federation.admission import identify_clients
 

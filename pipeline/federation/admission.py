@@ -110,18 +110,23 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None, for
     named: dict[int, str] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):  # node: the query's (a SuperLink answers if offline)
         node = next(m.metadata.dst_node_id for m in msgs if m.metadata.message_id == reply.metadata.reply_to_message_id)
-        if reply.has_error():
-            if admission and reply.error.code != ErrorCode.NODE_UNAVAILABLE:
-                raise RuntimeError(f"node {node} failed to identify: {error_line(reply)}")
-            log.warning("node %d connected but failed to identify; left out: %s", node, error_line(reply))
+        identity = None if reply.has_error() else reply.content.config_records.get("identity")
+        try:  # a reply that cannot be read is a node failing to identify: a deployed client must not end the run
+            name = str(identity["client-name"])  # no identity record (None): TypeError
+            counts = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
+        except (KeyError, TypeError, ValueError) as e:
+            why = f"its reply has no identity ConfigRecord of a client-name (whole num-train, num-valid): {e!r}"
+            why = error_line(reply) if reply.has_error() else why
+            if admission and not (reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE):
+                raise RuntimeError(f"node {node} failed to identify: {why}") from None
+            log.warning("node %d connected but failed to identify; left out: %s", node, why)
             continue
-        identity = reply.content["identity"]
         if identity.get(PLAN_HASH) != ours:
-            (foreign if foreign is not None else {})[node] = str(identity["client-name"])
+            (foreign if foreign is not None else {})[node] = name
             continue
-        name = named[node] = str(identity["client-name"])
+        named[node] = name
         if sizes is not None:
-            sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
+            sizes[name] = counts
     return named
 
 
