@@ -1688,6 +1688,59 @@ def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_
     assert Wrapper.calls == [(3, None, 0, 0)]
 
 
+@pytest.mark.parametrize("corrupt, problem", [("no metrics", "num-examples"), ("a list", "secagg-clipped")])
+def test_a_masked_vector_reply_whose_metrics_flower_cannot_read_halts_the_round_not_the_run(caplog, corrupt, problem):
+    """The real SecAgg+ workflow over the in-process grid: Committee's masked-vector reply comes without its
+    fitres.metrics record, or with secagg-clipped a list (a non-genuine client: Flower's mod converts a genuine one
+    through FitRes). Before, the observer's read (KeyError) or Flower's FitRes conversion (TypeError) raised inside the
+    workflow and ended the run; now Committee's vector is in the sum, its metrics cannot be decoded, and the round is
+    not released as in 34351e7: None returned, every sampled client failed."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.experiments.privacy import SecAggConfig
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
+    from pipeline.federation.server_app import _Round, _train_secure
+    from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
+
+    def local(msg, context):  # each client's update: 0.5 x its index, 2 examples
+        arrays = ArrayRecord({"w": Array(np.full(3, 0.5 * (context.node_id - 999), dtype=np.float32))})
+        metrics = {k: v for k, v in _secure_metrics(2).items() if k != "secagg-clipped"}
+        return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=msg)
+
+    app = ClientApp(mods=[secure_aggregation_mod])
+    app.train()(lambda msg, context: legacy_fit(msg, context, local))
+    names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    grid = InProcessGrid(app, [{"client-name": c} for c in names.values()])
+    _set_server_identity(grid.run.run_id)
+    send = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+        replies = list(send(messages, timeout=timeout))
+        for r in (r for r in replies if r.metadata.src_node_id == 1001):
+            if (metrics := r.content.config_records.get("fitres.metrics")) is not None and corrupt == "no metrics":
+                r.content.config_records.pop("fitres.metrics")
+            elif metrics is not None:
+                metrics["secagg-clipped"] = [1, 2]
+        return replies
+
+    grid.send_and_receive = send_and_receive
+    global_ = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
+    msgs = [
+        Message(RecordDict({ARRAYS_KEY: global_, CONFIG_KEY: ConfigRecord({})}), dst_node_id=n, message_type="train")
+        for n in names
+    ]
+    rows = _secure_rows(names.values())
+    secure = SecureAggregator(SecAggConfig(), max_weight=2, clients=3, timeout=5.0)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), msgs) is None
+    assert all(rows[c]["failed"] == 1 for c in rows) and "['Committee']" in rows["Academic"]["error"]
+    assert rows["Committee"]["error"].startswith("it cannot be decoded") and problem in rows["Committee"]["error"]
+    assert len(logged(caplog)) == 3 and logs(logged(caplog), "round 3", "Committee", problem)
+
+
 def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound

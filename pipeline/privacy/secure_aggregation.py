@@ -178,7 +178,10 @@ class _ObservedGrid(GridView):
             if r is not None and not r.has_error():
                 outcome.bytes_up += _wire_bytes(r.content)
                 if stage[node] == Stage.COLLECT_MASKED_VECTORS:
-                    outcome.metrics = dict(r.content.config_records["fitres.metrics"])
+                    # its vector is in the sum; metrics missing or malformed are _train_secure's to refuse (it
+                    # halts the round), not a KeyError here or a TypeError in Flower's FitRes (whose are unread)
+                    outcome.metrics = dict(r.content.config_records.pop("fitres.metrics", {}))
+                    r.content.config_records["fitres.metrics"] = ConfigRecord()
             elif outcome.failed_stage is None:  # the first stage it failed in, or did not answer in time in
                 outcome.failed_stage = stage[node]
                 outcome.error = error_line(r) if r is not None else f"no reply within {timeout}s"
