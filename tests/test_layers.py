@@ -223,8 +223,11 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # answering as another client fails its round and is asked its name again (+27), and comes back for the deployed
 # evaluation (+12); the server keeps FedAdam's global in the model's dtype (+1); the round-budget marks read the
 # client's kept round, one MiniLM path resolver for the backbone and the cluster scheme, tau with its unit and a
-# kit id a spreadsheet cannot read as a number (+23).
-PACKAGE_LINE_CEILING = 15_022
+# kit id a spreadsheet cannot read as a number (+23). Its third round, +68: no client reply ends the server's run
+# (other metric keys or records than the plan's, a reply that trained nothing, a summed SecAgg+ client's unreadable
+# metrics, a malformed identify reply: +48), a missing MiniLM model named in one line with the ways to provide it and
+# tau's unit taken from an older study's params (+20).
+PACKAGE_LINE_CEILING = 15_090
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
