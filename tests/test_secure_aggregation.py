@@ -187,34 +187,46 @@ def _check_rounds_against_uploads(uploads, globals_, rounds, in_sum) -> list[flo
     return diffs
 
 
+def _spy_masked_vector_replies(monkeypatch) -> list:
+    """The masked-vector replies the server pulls, each with its train metrics as they arrived: read at the pull,
+    before the server's observer hands Flower an empty copy of the record (secure_aggregation._ObservedGrid)."""
+    from pipeline.federation import engines
+
+    replies, real_pull = [], engines.InProcessGrid.pull_messages
+
+    def pull(self, ids):
+        pulled = list(real_pull(self, ids))
+        for r in pulled:
+            if r.has_content() and "fitres.metrics" in r.content.config_records:
+                replies.append((r, dict(r.content.config_records["fitres.metrics"])))
+        return pulled
+
+    monkeypatch.setattr(engines.InProcessGrid, "pull_messages", pull)
+    return replies
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method", ["fedavg", "fedselectkd"])
 def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_plain_run(ws, monkeypatch, method):
     import mlflow
 
-    from pipeline.federation import engines
     from pipeline.federation.protocol import TRAIN_METRICS
     from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
     from pipeline.train import run_experiment
 
     uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
-    replies = []
-    real_pull = engines.InProcessGrid.pull_messages
-    monkeypatch.setattr(
-        engines.InProcessGrid, "pull_messages", lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r
-    )
+    replies = _spy_masked_vector_replies(monkeypatch)
     name = f"sa-{method}"
     metrics = run_experiment(_write_plan(name, method, SECURE))
     _check_rounds_against_uploads(uploads, globals_, (1, 2), lambda rnd: list(N_TRAIN))
 
     # what left the clients: no adapter array, the train metrics and the count of clipped coordinates
-    collect = [r for r in replies if r.has_content() and "fitres.metrics" in r.content.config_records]
-    assert len(collect) == 2 * len(N_TRAIN)
-    for r in collect:
+    assert len(replies) == 2 * len(N_TRAIN)
+    for r, sent in replies:
         assert all(len(rec) == 0 for rec in r.content.array_records.values())
-        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRICS) | {"secagg-clipped"}
-        assert all(isinstance(v, (int, float)) for v in r.content.config_records["fitres.metrics"].values())
+        assert set(sent) == set(TRAIN_METRICS) | {"secagg-clipped"}
+        assert all(isinstance(v, (int, float)) for v in sent.values())
         assert dict(r.content.config_records["fitres.status"]) == {"code": 0, "message": ""}
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     assert all(r["sampled"] == 1 and r["failed"] == 0 and r["secagg_clipped"] == 0 for r in history)
@@ -605,17 +617,12 @@ def _clipped_mean(
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_the_bound(ws, monkeypatch):
-    from pipeline.federation import engines
     from pipeline.federation.protocol import TRAIN_METRICS
     from pipeline.privacy.secure_aggregation import aggregation_error_bound
     from pipeline.train import run_experiment
 
     seen, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
-    replies = []
-    real_pull = engines.InProcessGrid.pull_messages
-    monkeypatch.setattr(
-        engines.InProcessGrid, "pull_messages", lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r
-    )
+    replies = _spy_masked_vector_replies(monkeypatch)
     c = 0.18  # between the tiny model's round-1 update norms (0.13, 0.23, 0.24): one left as it is, two clipped
     secure = run_experiment(_write_plan("sa-cdp", "fedavg", {**SECURE, **_client_dp(clipping_norm=c)}), track=False)
     secure_seen, secure_r1 = dict(seen), globals_[1]
@@ -662,10 +669,9 @@ def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_
         and r["weight_share"] == pytest.approx(1 / 3)
         for r in rows
     )
-    collect = [r for r in replies if r.has_content() and "fitres.metrics" in r.content.config_records]
-    assert len(collect) == 2 * len(N_TRAIN)
-    for r in collect:
-        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRICS) | {"secagg-clipped"}
+    assert len(replies) == 2 * len(N_TRAIN)
+    for r, sent in replies:
+        assert set(sent) == set(TRAIN_METRICS) | {"secagg-clipped"}
         masked = r.content.config_records["secaggplus_configs"]["masked_params"]
         assert len(masked) == 1 + len(secure_r1) + 1  # the weight, the adapter's tensors, the clipped bit
 
