@@ -3,7 +3,6 @@ the same way by the train stage and by the deployed ServerApp."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +98,8 @@ def record_run(plan: Plan, history: list[dict[str, Any]], round_seconds: list[fl
     ``metrics.json`` in ``reports/train/<exp>/`` (the DVC metric) and in ``models/<exp>/``; returns the metrics."""
     write_rounds(plan, history)
     metrics = summarize(plan, history, round_seconds)
-    text = json.dumps(metrics, indent=2) + "\n"
-    atomic.write_text(Path(plan.paths["reports_dir"]) / "metrics.json", text)
-    atomic.write_text(Path(plan.paths["out_dir"]) / "metrics.json", text)
+    atomic.write_json(Path(plan.paths["reports_dir"]) / "metrics.json", metrics)
+    atomic.write_json(Path(plan.paths["out_dir"]) / "metrics.json", metrics)
     return metrics
 
 
