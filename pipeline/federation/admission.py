@@ -71,14 +71,12 @@ def name_nodes(
     """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id, a
     second node claiming a client whose node still answers is refused); returns the nodes naming a client outside
     ``allowed`` or serving another plan (logged unless ``refused_before`` holds the same refusal)."""
-    foreign: dict[int, str] = {}
-    named = _names(grid, plan_path, new, timeout, admission, start_over, sizes, foreign)
     refused: dict[int, str] = {}
-    for node, name in sorted((named | foreign).items()):
-        if node in foreign or name not in allowed:
+    for node, (name, ours) in sorted(_names(grid, plan_path, new, timeout, admission, start_over, sizes).items()):
+        if not ours or name not in allowed:
             refused[node] = name
             why = f"node {node} names client {name!r}, which is not among the clients {allowed} of plan {plan_path}"
-            why = f"node {node} (client {name!r}) serves another plan than {plan_path}" if node in foreign else why
+            why = f"node {node} (client {name!r}) serves another plan than {plan_path}" if not ours else why
             if (refused_before or {}).get(node) != name:
                 level = logging.ERROR if admission else logging.WARNING
                 log.log(level, "%s; %s", why, "refused" if admission else "left out")
@@ -87,7 +85,7 @@ def name_nodes(
         # a holder still listed may be its SuperNode crashed and restarted (without --auth: a new node id) before the
         # SuperLink marks it offline (then answering for it, NODE_UNAVAILABLE): it keeps its client while it answers
         listed = holder is not None and holder in grid.get_node_ids()
-        if listed and _names(grid, plan_path, [holder], timeout, admission, start_over) == {holder: name}:
+        if listed and _names(grid, plan_path, [holder], timeout, admission, start_over) == {holder: (name, True)}:
             why = f"two nodes claim the same client name {name!r}: node {holder}, which holds it, and node {node}"
             if admission:
                 raise RuntimeError(f"{why} (plan {plan_path})")
@@ -100,14 +98,14 @@ def name_nodes(
     return refused
 
 
-def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None, foreign=None) -> dict[int, str]:
-    """The client names the nodes ``ids`` answer query.identify with (``sizes`` receives each client's ``num-train`` /
-    ``num-valid``; a node serving another plan than ``plan_path``, by its hash, goes to ``foreign`` instead); a node
-    gone offline is left out (its client may come back before the timeout)."""
+def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None) -> dict[int, tuple[str, bool]]:
+    """The client names the nodes ``ids`` answer query.identify with, each with whether the node serves ``plan_path``
+    (by its hash; ``sizes`` receives such a client's ``num-train`` / ``num-valid``); a node gone offline is left out
+    (its client may come back before the timeout)."""
     ours = plan_hash(load_plan(plan_path))  # with start_over: the plan whose nodes start over (a path may differ)
     config = {"plan": plan_path, START_OVER: start_over, PLAN_HASH: ours}
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in ids]
-    named: dict[int, str] = {}
+    named: dict[int, tuple[str, bool]] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):  # node: the query's (a SuperLink answers if offline)
         node = next(m.metadata.dst_node_id for m in msgs if m.metadata.message_id == reply.metadata.reply_to_message_id)
         identity = None if reply.has_error() else reply.content.config_records.get("identity")
@@ -121,11 +119,8 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None, for
                 raise RuntimeError(f"node {node} failed to identify: {why}") from None
             log.warning("node %d connected but failed to identify; left out: %s", node, why)
             continue
-        if identity.get(PLAN_HASH) != ours:
-            (foreign if foreign is not None else {})[node] = name
-            continue
-        named[node] = name
-        if sizes is not None:
+        named[node] = (name, identity.get(PLAN_HASH) == ours)
+        if sizes is not None and named[node][1]:  # it serves our plan
             sizes[name] = counts
     return named
 

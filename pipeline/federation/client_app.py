@@ -203,11 +203,10 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     name = client_name(context)
     rnd = int(msg.content[CONFIG_KEY]["server-round"])
     model = shared_model(plan)
-    received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
 
     _restore_client_state(context, plan, name, rnd)
     # the server sends the global to the local_from_global methods only
-    local = decode_global(received, plan) if spec.local_from_global else _local_adapter(context)
+    local = decode_global(msg.content[ARRAYS_KEY], plan) if spec.local_from_global else _local_adapter(context)
     # A client not sampled yet has no local adapter: it is scored with the round-0 adapter, which is NOT kept as
     # its state, so its first train round starts from the global of that round (as a joining client does).
     trained = local is not None

@@ -78,7 +78,6 @@ def decode_state(
             if key[: -len(SCALE_SUFFIX)] not in encoded:
                 raise ValueError(f"encoded state: scale {key!r} without its tensor")
             continue
-        value = torch.as_tensor(value)
         if value.dtype == torch.int8:
             if key not in scales:
                 raise ValueError(f"encoded state: int8 tensor {key!r} has no {key + SCALE_SUFFIX!r}")
