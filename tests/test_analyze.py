@@ -339,6 +339,33 @@ def test_the_kd_record_and_the_results_text_give_the_main_runs_tau_in_its_unit(t
     assert "of target words at tau = 5.0 bits, the paper's" in backbone_note({"name": "b"}, res)
 
 
+@pytest.mark.parametrize(
+    "train, tau, unit, legend",
+    [
+        ({}, 5.0, "nats", "tau = 5 nats"),  # log base e: nats (the default)
+        ({"entropy_log_base": 2}, 5.0, "bits", "tau = 5 bits"),  # log base 2: bits
+        ({"tau_scale": "max_entropy"}, 0.46, "nats", None),  # a share of ln|V|: no tau line; H(q_g) still in nats
+    ],
+)
+def test_the_entropy_figure_gives_the_unit_of_h_and_tau(tmp_path, monkeypatch, train, tau, unit, legend):
+    # H(q_g) is logged in train.entropy_log_base's unit, and an absolute tau is in it: 5 bits is 3.47 nats, so an
+    # axis "H(q_g)" and a line "tau = 5" name no gate. The figure's axis and legend say the unit.
+    from pipeline.results import kd_analysis
+
+    drawn, save = {}, kd_analysis.save
+
+    def keep(fig, path):
+        ax = fig.axes[0]
+        drawn[path.stem] = (ax.get_ylabel(), [t.get_text() for t in ax.get_legend().texts] if ax.get_legend() else [])
+        return save(fig, path)
+
+    monkeypatch.setattr(kd_analysis, "save", keep)
+    monkeypatch.chdir(tmp_path)
+    _analyze_one_selectkd_run(tmp_path, {"Product": 2, "Academic": 1}, tau=tau, train=train)
+    for client in ("Product", "Academic"):
+        assert drawn[f"entropy_{client}"] == (f"H(q_g) ({unit})", [legend] if legend else [])
+
+
 def test_a_threshold_in_bits_is_placed_in_nats_on_the_sweep_axis():
     # 5 nats (main, ROUGE 20) and 5 bits (ROUGE 14) are different gates: H_bits < 5 is H_nats < 5 ln 2 = 3.466. They
     # must be two points, not one averaged point at tau 5 (17, "1 seed").

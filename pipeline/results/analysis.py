@@ -97,14 +97,15 @@ class Analysis:
         absolute = bool(taus) and {(e.tau_scale, e.kd_gate) for e in runs} == {ABS}
         if len(taus) > 1 or (absolute and len(units) > 1):  # an entropy of 5 bits is 5 ln 2 = 3.47 nats
             raise ConfigError(f"params.yaml: the main-study SelectKD experiments use different taus {taus} in {units}")
-        tau, unit = (taus[0], units[0]) if absolute else (None, None)
+        unit = units[0] if len(units) == 1 else None  # H(q_g)'s (the runs' logs), an absolute tau's too
+        tau = taus[0] if absolute else None
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
             kd_analysis.plot_pos(client, rec, self.figures / f"pos_{slug(client)}.png")
-            kd_analysis.plot_entropy(client, gate, rec, tau, self.figures / f"entropy_{slug(client)}.png")
-        return clients, usages, tau, unit
+            kd_analysis.plot_entropy(client, gate, rec, tau, unit, self.figures / f"entropy_{slug(client)}.png")
+        return clients, usages, tau, unit if absolute else None
 
     def hardkd(self) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds, and their difference
