@@ -485,6 +485,26 @@ def test_a_params_file_the_analysis_refuses_is_one_error_line_not_a_traceback(
     assert len(err) == 1 and err[0].startswith("error: params.yaml") and says in err[0]
 
 
+def test_main_runs_whose_entropies_are_in_different_units_are_refused_not_pooled(tmp_path, monkeypatch, capsys):
+    # A client's gate statistics (entropy_median_per_round, the entropy figure's boxes) pool its main runs' H(q_g);
+    # a log in bits and one in nats (train.entropy_log_base 2 and e) hold the same H as 1/ln 2 = 1.44 to 1: pooled,
+    # the median mixes units. With a portable gate (0.46 of ln|V|, the same gate in either base) there is no tau to
+    # differ, so the analysis used to pool them; it must refuse them as it does an absolute tau in two units.
+    from pipeline.common.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    portable = {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.46, "tau_scale": "max_entropy"}
+    runs = {"sel_s0": portable | {"seed": 0}, "sel_s1": portable | {"seed": 1, "entropy_log_base": 2}}
+    for name in runs:
+        write_experiment(tmp_path, name, {"Product": 2, "Academic": 1}, {"Product": (30, 10, 20)})
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"tau": 5.0, "experiments": runs}))
+    assert run(analyze.main, []) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: params.yaml") and "['bits', 'nats']" in err[0]
+
+
 def test_hard_kd_minus_selectkd_is_taken_over_the_seeds_both_trained(tmp_path):
     """Noun-verb hard KD against SelectKD on equal footing: hard KD trained seed 0 only, SelectKD seeds 0 and 1, so
     the difference is hard KD's seed 0 minus SelectKD's seed 0 (18 - 20), not minus SelectKD's two-seed mean

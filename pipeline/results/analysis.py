@@ -95,10 +95,9 @@ class Analysis:
         units = sorted({UNITS[e.entropy_log_base] for e in runs})
         # a portable gate's tau (a share of ln|V|, a quantile) or a margin is no entropy: no H(q_g) < tau, no tau line
         absolute = bool(taus) and {(e.tau_scale, e.kd_gate) for e in runs} == {ABS}
-        if len(taus) > 1 or (absolute and len(units) > 1):  # an entropy of 5 bits is 5 ln 2 = 3.47 nats
-            raise ConfigError(f"params.yaml: the main-study SelectKD experiments use different taus {taus} in {units}")
-        unit = units[0] if len(units) == 1 else None  # H(q_g)'s (the runs' logs), an absolute tau's too
-        tau = taus[0] if absolute else None
+        if len(taus) > 1 or len(units) > 1:  # 5 bits is 5 ln 2 = 3.47 nats; a client's H(q_g) are pooled over runs
+            raise ConfigError(f"params.yaml: the main-study SelectKD runs use different taus {taus} or units {units}")
+        tau, unit = taus[0] if absolute else None, units[0]  # unit: H(q_g)'s, an absolute tau's too
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
