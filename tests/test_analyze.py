@@ -339,6 +339,33 @@ def test_the_kd_record_and_the_results_text_give_the_main_runs_tau_in_its_unit(t
     assert "of target words at tau = 5.0 bits, the paper's" in backbone_note({"name": "b"}, res)
 
 
+@pytest.mark.parametrize(
+    "train, tau, unit, legend",
+    [
+        ({}, 5.0, "nats", "tau = 5 nats"),  # log base e: nats (the default)
+        ({"entropy_log_base": 2}, 5.0, "bits", "tau = 5 bits"),  # log base 2: bits
+        ({"tau_scale": "max_entropy"}, 0.46, "nats", None),  # a share of ln|V|: no tau line; H(q_g) still in nats
+    ],
+)
+def test_the_entropy_figure_gives_the_unit_of_h_and_tau(tmp_path, monkeypatch, train, tau, unit, legend):
+    # H(q_g) is logged in train.entropy_log_base's unit, and an absolute tau is in it: 5 bits is 3.47 nats, so an
+    # axis "H(q_g)" and a line "tau = 5" name no gate. The figure's axis and legend say the unit.
+    from pipeline.results import kd_analysis
+
+    drawn, save = {}, kd_analysis.save
+
+    def keep(fig, path):
+        ax = fig.axes[0]
+        drawn[path.stem] = (ax.get_ylabel(), [t.get_text() for t in ax.get_legend().texts] if ax.get_legend() else [])
+        return save(fig, path)
+
+    monkeypatch.setattr(kd_analysis, "save", keep)
+    monkeypatch.chdir(tmp_path)
+    _analyze_one_selectkd_run(tmp_path, {"Product": 2, "Academic": 1}, tau=tau, train=train)
+    for client in ("Product", "Academic"):
+        assert drawn[f"entropy_{client}"] == (f"H(q_g) ({unit})", [legend] if legend else [])
+
+
 def test_a_threshold_in_bits_is_placed_in_nats_on_the_sweep_axis():
     # 5 nats (main, ROUGE 20) and 5 bits (ROUGE 14) are different gates: H_bits < 5 is H_nats < 5 ln 2 = 3.466. They
     # must be two points, not one averaged point at tau 5 (17, "1 seed").
@@ -456,6 +483,26 @@ def test_a_params_file_the_analysis_refuses_is_one_error_line_not_a_traceback(
     assert run(analyze.main, []) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: params.yaml") and says in err[0]
+
+
+def test_main_runs_whose_entropies_are_in_different_units_are_refused_not_pooled(tmp_path, monkeypatch, capsys):
+    # A client's gate statistics (entropy_median_per_round, the entropy figure's boxes) pool its main runs' H(q_g);
+    # a log in bits and one in nats (train.entropy_log_base 2 and e) hold the same H as 1/ln 2 = 1.44 to 1: pooled,
+    # the median mixes units. With a portable gate (0.46 of ln|V|, the same gate in either base) there is no tau to
+    # differ, so the analysis used to pool them; it must refuse them as it does an absolute tau in two units.
+    from pipeline.common.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    portable = {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.46, "tau_scale": "max_entropy"}
+    runs = {"sel_s0": portable | {"seed": 0}, "sel_s1": portable | {"seed": 1, "entropy_log_base": 2}}
+    for name in runs:
+        write_experiment(tmp_path, name, {"Product": 2, "Academic": 1}, {"Product": (30, 10, 20)})
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"tau": 5.0, "experiments": runs}))
+    assert run(analyze.main, []) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: params.yaml") and "['bits', 'nats']" in err[0]
 
 
 def test_hard_kd_minus_selectkd_is_taken_over_the_seeds_both_trained(tmp_path):

@@ -95,16 +95,16 @@ class Analysis:
         units = sorted({UNITS[e.entropy_log_base] for e in runs})
         # a portable gate's tau (a share of ln|V|, a quantile) or a margin is no entropy: no H(q_g) < tau, no tau line
         absolute = bool(taus) and {(e.tau_scale, e.kd_gate) for e in runs} == {ABS}
-        if len(taus) > 1 or (absolute and len(units) > 1):  # an entropy of 5 bits is 5 ln 2 = 3.47 nats
-            raise ConfigError(f"params.yaml: the main-study SelectKD experiments use different taus {taus} in {units}")
-        tau, unit = (taus[0], units[0]) if absolute else (None, None)
+        if len(taus) > 1 or len(units) > 1:  # 5 bits is 5 ln 2 = 3.47 nats; a client's H(q_g) are pooled over runs
+            raise ConfigError(f"params.yaml: the main-study SelectKD runs use different taus {taus} or units {units}")
+        tau, unit = taus[0] if absolute else None, units[0]  # unit: H(q_g)'s, an absolute tau's too
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
             kd_analysis.plot_pos(client, rec, self.figures / f"pos_{slug(client)}.png")
-            kd_analysis.plot_entropy(client, gate, rec, tau, self.figures / f"entropy_{slug(client)}.png")
-        return clients, usages, tau, unit
+            kd_analysis.plot_entropy(client, gate, rec, tau, unit, self.figures / f"entropy_{slug(client)}.png")
+        return clients, usages, tau, unit if absolute else None
 
     def hardkd(self) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds, and their difference

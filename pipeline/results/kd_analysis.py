@@ -248,9 +248,11 @@ def plot_pos(client: str, record: dict[str, Any], path: Path) -> None:
     save(fig, path)
 
 
-def plot_entropy(client: str, gate: pd.DataFrame, record: dict[str, Any], tau: float | None, path: Path) -> None:
+def plot_entropy(
+    client: str, gate: pd.DataFrame, record: dict[str, Any], tau: float | None, unit: str, path: Path
+) -> None:
     """H(q_g) per round of a client's pooled gate decisions, under the pass fractions and best rounds of its
-    :func:`client_summary` record."""
+    :func:`client_summary` record; ``unit``: H(q_g)'s and tau's, nats or bits."""
     rounds = sorted(gate["round"].unique())  # gate: one row per token update and round
     fig, (ax1, ax2) = plt.subplots(
         2, 1, figsize=(max(6, 0.6 * len(rounds) + 3), 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
@@ -258,9 +260,9 @@ def plot_entropy(client: str, gate: pd.DataFrame, record: dict[str, Any], tau: f
     data = [gate.loc[gate["round"] == r, "entropy"].to_numpy(dtype=float) for r in rounds]
     ax1.boxplot(data, positions=rounds, whis=(5, 95), showfliers=False, widths=0.6)
     if tau is not None:
-        ax1.axhline(tau, color="tab:red", ls="--", label=f"tau = {tau:g}")
+        ax1.axhline(tau, color="tab:red", ls="--", label=f"tau = {tau:g} {unit}")
         ax1.legend()
-    ax1.set_ylabel("H(q_g)")
+    ax1.set_ylabel(f"H(q_g) ({unit})")
     ax1.set_title(f"{client}: H(q_g) per round (box 25-75 %, whiskers 5-95 %)", fontsize=10)
     passed = record["gate_pass_fraction_per_round"]
     ax2.bar(list(passed), [100 * f for f in passed.values()], color="tab:blue")
