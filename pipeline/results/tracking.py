@@ -146,6 +146,11 @@ def _client():
         return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
 
 
+def find_runs(exp_id: str, where: str, order_by: list[str] | None = None) -> list:
+    """The runs of the MLflow experiment ``exp_id`` that MLflow's filter ``where`` selects, in ``order_by``'s order."""
+    return _client().search_runs([exp_id], where, order_by=order_by)
+
+
 def experiment_id(study: str, description: str | None = None) -> str:
     """The MLflow experiment of a study, created on first use (an existing one: missing tags set, artifacts rebased)."""
     client = _client()
