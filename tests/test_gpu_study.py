@@ -846,3 +846,41 @@ def test_an_import_cut_before_a_runs_records_are_logged_is_imported_again(tmp_pa
     assert [r.info.run_id for r in tagged] == [run_id]
     assert sorted(a.path for a in client.list_artifacts(run_id)) == ["experiment.json", "metrics.json", "rounds.json"]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("cut_at", ["artifacts", "tag"], ids=["mid-artifacts", "after-finish"])
+def test_a_reimport_after_a_cut_import_leaves_one_run_of_the_record_not_an_orphan_beside_it(
+    tmp_path, monkeypatch, cut_at
+):
+    """An import cut mid-run (uploading its records, or after finish before its record tag) left an untagged run; the
+    next import logged another run beside it, and the orphan stayed in the store (RUNNING or FINISHED, no records).
+    After the re-import the store holds one run of the record, with one client run per client of its partition."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.results.tracking import RunLogger
+
+    exp, dest, uri = _imported_call(tmp_path, monkeypatch)
+    clients = sorted(json.loads((dest / "partitions/domain/seed0.json").read_text())["clients"])
+    upload, tag = RunLogger.log_artifact, RunLogger.set_tags
+
+    def cut_upload(self, *args, **kwargs):
+        raise OSError("the import was cut here")
+
+    def cut_tag(self, tags):
+        if importer.IMPORTED in tags:
+            raise OSError("the import was cut here")
+        tag(self, tags)
+
+    monkeypatch.setattr(RunLogger, *(("log_artifact", cut_upload) if cut_at == "artifacts" else ("set_tags", cut_tag)))
+    with pytest.raises(OSError, match="cut here"):
+        importer.log_runs(dest, "gpu")
+    monkeypatch.setattr(RunLogger, "log_artifact", upload)
+    monkeypatch.setattr(RunLogger, "set_tags", tag)
+    (run_id,) = importer.log_runs(dest, "gpu")
+    client = MlflowClient(tracking_uri=uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, f"tags.experiment = '{exp}'")
+    assert [r.info.run_id for r in runs] == [run_id]
+    children = client.search_runs(experiments, "tags.`mlflow.parentRunId` LIKE '%'")
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {run_id}
+    assert sorted(r.data.tags["client"] for r in children) == clients
