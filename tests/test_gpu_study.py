@@ -352,12 +352,9 @@ def test_a_resumed_call_on_a_bare_machine_says_so_in_one_line(tmp_path):
     assert "fresh machine" in json.loads((out / "study.json").read_text())["error"]
 
 
-def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp_path):
-    """A resumed call keeps the study call's workspace, and with it that call's copy of pipeline/ and tools/, which
-    the stages run: a fix committed between the calls (a study call that failed early in a stage, then resumed with
-    what the lease has left) was not what ran; the resumed call ran the old copy and failed the same way. It must
-    refuse in one line (study.json's error) when the copy differs from the checkout the call was sent with, and go
-    on when it is the same."""
+def _resumable(tmp_path) -> tuple[Path, Path, Path]:
+    """(the checkout, the work folder, $OUT) of a study call whose every step finished: the workspace holds the
+    checkout's pipeline/ and tools/ and its params.yaml with TINY merged in (what make_workspace made of them)."""
     repo, work, out = tmp_path / "checkout", tmp_path / "work", tmp_path / "out"
     for path, text in {"pipeline/stage.py": "X = 1\n", "tools/gpu_study/device.py": "Y = 1\n"}.items():
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
@@ -367,16 +364,49 @@ def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp
     (work / "repo/pipeline/__pycache__").mkdir()  # what the stages' imports leave there: not code that differs
     (work / "repo/pipeline/__pycache__/stage.cpython-312.pyc").write_bytes(b"compiled")
     params = {"ingest": {"datasets": []}, "partition": {"schemes": [], "seeds": []}, "experiments": {}}
-    (work / "repo/params.yaml").write_text(yaml.safe_dump(params))
+    params["train"] = {"rounds": 8, "batch_size": 8}
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    params = device.merge_profile(params, _yaml(TINY))
+    (work / "repo/params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, width=4096))
     finished = ["install", "workspace", *(name for name, _ in device.stage_commands(params))]
     study = {"profile": "p", "budget_s": 60, "device": {}, "steps": [{"step": s, "status": "ok"} for s in finished]}
     (work / "study.json").write_text(json.dumps(study | {"seconds": 1, "complete": False}))
+    return repo, work, out
+
+
+def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp_path):
+    """A resumed call keeps the study call's workspace, and with it that call's copy of pipeline/ and tools/, which
+    the stages run: a fix committed between the calls (a study call that failed early in a stage, then resumed with
+    what the lease has left) was not what ran; the resumed call ran the old copy and failed the same way. It must
+    refuse in one line (study.json's error) when the copy differs from the checkout the call was sent with, and go
+    on when it is the same."""
+    repo, work, out = _resumable(tmp_path)
     resume = dict(budget_s=60, repo=repo, resume=True)
     (repo / "pipeline/stage.py").write_text("X = 2\n")  # the fix, committed after the study call
     with pytest.raises(SystemExit, match=r"work/repo: its pipeline/ and tools/ are not the checkout's.*no --resume"):
         device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)
     assert "not the checkout's" in json.loads((out / "study.json").read_text())["error"]
     (repo / "pipeline/stage.py").write_text("X = 1\n")
+    assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
+
+
+def test_a_resumed_call_refuses_a_workspace_whose_params_are_not_those_it_was_sent_with(tmp_path):
+    """The stages of a resumed call read the study call's merged params.yaml in the workspace; the code check covers
+    pipeline/ and tools/ only, so a params.yaml or profile changed between the calls (a batch size lowered after
+    the study call ran out of memory) was silently not what ran. It must refuse in one line naming the params that
+    differ, and go on when the checkout's params.yaml with the profile merged is the workspace's."""
+    repo, work, out = _resumable(tmp_path)
+    resume = dict(budget_s=60, repo=repo, resume=True)
+    original = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(original.replace("rounds: 8", "rounds: 4"))  # TINY does not set train.rounds
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(TINY.read_text().replace("num_beams: 4", "num_beams: 2"))
+    with pytest.raises(SystemExit, match=r"params\.yaml: evaluate\.num_beams, train\.rounds differ .*no --resume"):
+        device.run_study(tmp_path / "no-carry", out, profile, work, **resume)
+    assert "train.rounds" in json.loads((out / "study.json").read_text())["error"]
+    (repo / "params.yaml").write_text(original.replace("batch_size: 8", "batch_size: 4"))  # TINY sets it: 2 ran
+    assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
+    (repo / "params.yaml").write_text(original)
     assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
 
 
