@@ -176,17 +176,17 @@ def experiment_id(study: str, description: str | None = None) -> str:
     return exp.experiment_id
 
 
-def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
+def rebase_artifacts(exp_id: str, study: str, location: str | None) -> None:
     """Point a study's artifact locations (its runs' and models' too) at this checkout's ``mlartifacts/<study>``
     when the store lives in the checkout; MLflow stores absolute locations and has no API to change them."""
     from mlflow.utils.file_utils import local_file_uri_to_path  # lazy: mlflow, as above
 
     db = _sqlite_path(tracking_uri())
     if db is None or not (location or "").startswith("file:") or not db.resolve().is_relative_to(repo_root().resolve()):
-        return False
+        return
     old = Path(local_file_uri_to_path(location))
     if old.name != study or old.parent.name != "mlartifacts" or old == artifact_dir(study):
-        return False  # not our layout, or already here
+        return  # not our layout, or already here
     old_uri, new_uri = location.rstrip("/"), artifact_dir(study).as_uri()
     with sqlite3.connect(db, timeout=60) as con:
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
@@ -196,7 +196,6 @@ def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
                 f"AND ({column} = ? OR substr({column}, 1, ?) = ?)",
                 (new_uri, len(old_uri) + 1, int(exp_id), old_uri, len(old_uri) + 1, old_uri + "/"),
             )
-    return True
 
 
 def split_dataset(partition: str, client: str, split: str, ids: list, source: str | Path):
