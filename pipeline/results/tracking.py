@@ -220,7 +220,6 @@ class RunLogger:
         children = self._client.search_runs(
             [self._client.get_run(run_id).info.experiment_id],
             filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'",
-            max_results=1000,
         )
         self.children = {r.data.tags["client"]: r.info.run_id for r in children if "client" in r.data.tags}
         # each client's LoggedModel (its best adapter; the newest when a resumed run logged it again)
@@ -284,7 +283,6 @@ class RunLogger:
             for run in client.search_runs(
                 [exp_id],
                 filter_string=f"tags.experiment = '{tags['experiment']}' and attributes.status = 'RUNNING'",
-                max_results=1000,
             ):
                 if run.info.run_id != logger.run_id and not owner_alive(run.data.tags):
                     end_if_running(
