@@ -197,7 +197,7 @@ def accountant_table() -> list[dict[str, Any]]:
                     "target_epsilon": eps,
                     "noise_multiplier": round(s.noise_multiplier, 4),
                     "noise_std_on_mean_per_c": round(s.noise_multiplier / m, 5),
-                    "epsilon": round(s.epsilon_after(TABLE_ROUNDS), 4),
+                    "epsilon": round(s.bound_after(TABLE_ROUNDS)[0], 4),
                 }
             )
     return rows

@@ -72,7 +72,7 @@ def test_accountant_reproduces_the_tff_dp_fedavg_tutorial():
         cfg = _client_cfg(noise_multiplier=0.5 * m / 50, delta=TFF_DELTA)
         setting = federation_privacy(cfg, population=TFF_CLIENTS, sampled=m, rounds=TFF_ROUNDS)
         assert setting.sample_rate == m / TFF_CLIENTS
-        return setting.epsilon_after(TFF_ROUNDS)
+        return setting.bound_after(TFF_ROUNDS)[0]
 
     for m in (119, 120):  # the published boundary, computed from the formula
         independent = _independent_epsilon(m / TFF_CLIENTS, 0.5 * m / 50, TFF_ROUNDS, TFF_DELTA)
@@ -91,18 +91,20 @@ def test_accountant_reproduces_the_tff_dp_fedavg_tutorial():
 def test_target_epsilon_gives_the_noise_for_the_planned_rounds():
     cfg = _client_cfg(noise_multiplier=None, target_epsilon=TFF_EPS, delta=TFF_DELTA)
     s = federation_privacy(cfg, population=TFF_CLIENTS, sampled=120, rounds=TFF_ROUNDS)
-    assert TFF_EPS - 0.01 <= s.epsilon_after(TFF_ROUNDS) <= TFF_EPS
+    assert TFF_EPS - 0.01 <= s.bound_after(TFF_ROUNDS)[0] <= TFF_EPS
     assert s.noise_multiplier <= 1.2  # the tutorial's 1.2 reaches the target, so the search needs no more
-    assert s.epsilon_after(60) < s.epsilon_after(TFF_ROUNDS)  # fewer rounds: less spent
+    assert s.bound_after(60)[0] < s.bound_after(TFF_ROUNDS)[0]  # fewer rounds: less spent
 
 
 def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated():
     s = federation_privacy(_client_cfg(noise_multiplier=1.0, delta=1e-5), population=100, sampled=10, rounds=5)
     # Poisson sampling with the public denominator 10: the sum's sensitivity is C, its noise z C, in every round
     # (an empty round too), so epsilon depends on the rounds run and nothing else
-    assert s.epsilon_after(2) > s.epsilon_after(1) > s.epsilon_after(0) == 0.0
-    assert 0.9 * _independent_epsilon(0.1, 1.0, 2, 1e-5) < s.epsilon_after(2) <= _independent_epsilon(0.1, 1.0, 2, 1e-5)
-    assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 1e-5, "rdp").epsilon_after(1) == math.inf
+    assert s.bound_after(2)[0] > s.bound_after(1)[0] > s.bound_after(0)[0] == 0.0
+    assert (
+        0.9 * _independent_epsilon(0.1, 1.0, 2, 1e-5) < s.bound_after(2)[0] <= _independent_epsilon(0.1, 1.0, 2, 1e-5)
+    )
+    assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 1e-5, "rdp").bound_after(1)[0] == math.inf
 
 
 def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_together():
@@ -114,8 +116,8 @@ def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_to
     # the count of clipped updates is a sum of 0/1 bits: sensitivity 1, so the round's multiplier is
     # (z_u^-2 + sigma_b^-2)^-1/2 = z
     assert s.update_noise_multiplier == pytest.approx(z_u) and s.clipping_norm == 0.1
-    assert s.epsilon_after(3) == pytest.approx(
-        federation_privacy(_client_cfg(noise_multiplier=z), population=30, sampled=10, rounds=3).epsilon_after(3),
+    assert s.bound_after(3)[0] == pytest.approx(
+        federation_privacy(_client_cfg(noise_multiplier=z), population=30, sampled=10, rounds=3).bound_after(3)[0],
         rel=1e-9,
     )
     with pytest.raises(ValueError, match="clipped_count_stddev > it"):  # default sigma_b = 10 / 20 = 0.5
@@ -525,7 +527,7 @@ def test_federated_run_with_target_epsilon_reports_it(ws):
     assert p["epsilon"] == pytest.approx(
         federation_privacy(
             _client_cfg(noise_multiplier=p["noise_multiplier"], clipping_norm=0.05), 3, 2, 2
-        ).epsilon_after(2)
+        ).bound_after(2)[0]
     )
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     per_round = {r["round"]: r["epsilon"] for r in history if "update_clipped" in r}
@@ -622,7 +624,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
             population=3,
             sampled=3,
             rounds=TRAIN["rounds"],
-        ).epsilon_after(TRAIN["rounds"])
+        ).bound_after(TRAIN["rounds"])[0]
     )
 
 

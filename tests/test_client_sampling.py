@@ -173,7 +173,7 @@ def test_an_empty_sample_releases_the_global_plus_the_noise():
     from flwr.app import ConfigRecord
 
     strategy, setting = _fixed_wrapper(population=3, sampled=1, noise=20.0)
-    assert setting.epsilon_after(1) < math.log(1.5)
+    assert setting.bound_after(1)[0] < math.log(1.5)
     g = np.linspace(-1.0, 1.0, 20000)
     assert strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(0)) == []  # nobody joins
     arrays, _ = strategy.aggregate_train(1, [])

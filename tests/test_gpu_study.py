@@ -352,12 +352,9 @@ def test_a_resumed_call_on_a_bare_machine_says_so_in_one_line(tmp_path):
     assert "fresh machine" in json.loads((out / "study.json").read_text())["error"]
 
 
-def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp_path):
-    """A resumed call keeps the study call's workspace, and with it that call's copy of pipeline/ and tools/, which
-    the stages run: a fix committed between the calls (a study call that failed early in a stage, then resumed with
-    what the lease has left) was not what ran; the resumed call ran the old copy and failed the same way. It must
-    refuse in one line (study.json's error) when the copy differs from the checkout the call was sent with, and go
-    on when it is the same."""
+def _resumable(tmp_path) -> tuple[Path, Path, Path]:
+    """(the checkout, the work folder, $OUT) of a study call whose every step finished: the workspace holds the
+    checkout's pipeline/ and tools/ and its params.yaml with TINY merged in (what make_workspace made of them)."""
     repo, work, out = tmp_path / "checkout", tmp_path / "work", tmp_path / "out"
     for path, text in {"pipeline/stage.py": "X = 1\n", "tools/gpu_study/device.py": "Y = 1\n"}.items():
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
@@ -367,16 +364,49 @@ def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp
     (work / "repo/pipeline/__pycache__").mkdir()  # what the stages' imports leave there: not code that differs
     (work / "repo/pipeline/__pycache__/stage.cpython-312.pyc").write_bytes(b"compiled")
     params = {"ingest": {"datasets": []}, "partition": {"schemes": [], "seeds": []}, "experiments": {}}
-    (work / "repo/params.yaml").write_text(yaml.safe_dump(params))
+    params["train"] = {"rounds": 8, "batch_size": 8}
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    params = device.merge_profile(params, _yaml(TINY))
+    (work / "repo/params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, width=4096))
     finished = ["install", "workspace", *(name for name, _ in device.stage_commands(params))]
     study = {"profile": "p", "budget_s": 60, "device": {}, "steps": [{"step": s, "status": "ok"} for s in finished]}
     (work / "study.json").write_text(json.dumps(study | {"seconds": 1, "complete": False}))
+    return repo, work, out
+
+
+def test_a_resumed_call_refuses_a_workspace_whose_code_is_not_this_checkouts(tmp_path):
+    """A resumed call keeps the study call's workspace, and with it that call's copy of pipeline/ and tools/, which
+    the stages run: a fix committed between the calls (a study call that failed early in a stage, then resumed with
+    what the lease has left) was not what ran; the resumed call ran the old copy and failed the same way. It must
+    refuse in one line (study.json's error) when the copy differs from the checkout the call was sent with, and go
+    on when it is the same."""
+    repo, work, out = _resumable(tmp_path)
     resume = dict(budget_s=60, repo=repo, resume=True)
     (repo / "pipeline/stage.py").write_text("X = 2\n")  # the fix, committed after the study call
     with pytest.raises(SystemExit, match=r"work/repo: its pipeline/ and tools/ are not the checkout's.*no --resume"):
         device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)
     assert "not the checkout's" in json.loads((out / "study.json").read_text())["error"]
     (repo / "pipeline/stage.py").write_text("X = 1\n")
+    assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
+
+
+def test_a_resumed_call_refuses_a_workspace_whose_params_are_not_those_it_was_sent_with(tmp_path):
+    """The stages of a resumed call read the study call's merged params.yaml in the workspace; the code check covers
+    pipeline/ and tools/ only, so a params.yaml or profile changed between the calls (a batch size lowered after
+    the study call ran out of memory) was silently not what ran. It must refuse in one line naming the params that
+    differ, and go on when the checkout's params.yaml with the profile merged is the workspace's."""
+    repo, work, out = _resumable(tmp_path)
+    resume = dict(budget_s=60, repo=repo, resume=True)
+    original = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(original.replace("rounds: 8", "rounds: 4"))  # TINY does not set train.rounds
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(TINY.read_text().replace("num_beams: 4", "num_beams: 2"))
+    with pytest.raises(SystemExit, match=r"params\.yaml: evaluate\.num_beams, train\.rounds differ .*no --resume"):
+        device.run_study(tmp_path / "no-carry", out, profile, work, **resume)
+    assert "train.rounds" in json.loads((out / "study.json").read_text())["error"]
+    (repo / "params.yaml").write_text(original.replace("batch_size: 8", "batch_size: 4"))  # TINY sets it: 2 ran
+    assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
+    (repo / "params.yaml").write_text(original)
     assert device.run_study(tmp_path / "no-carry", out, TINY, work, **resume)["complete"]
 
 
@@ -846,3 +876,41 @@ def test_an_import_cut_before_a_runs_records_are_logged_is_imported_again(tmp_pa
     assert [r.info.run_id for r in tagged] == [run_id]
     assert sorted(a.path for a in client.list_artifacts(run_id)) == ["experiment.json", "metrics.json", "rounds.json"]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("cut_at", ["artifacts", "tag"], ids=["mid-artifacts", "after-finish"])
+def test_a_reimport_after_a_cut_import_leaves_one_run_of_the_record_not_an_orphan_beside_it(
+    tmp_path, monkeypatch, cut_at
+):
+    """An import cut mid-run (uploading its records, or after finish before its record tag) left an untagged run; the
+    next import logged another run beside it, and the orphan stayed in the store (RUNNING or FINISHED, no records).
+    After the re-import the store holds one run of the record, with one client run per client of its partition."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.results.tracking import RunLogger
+
+    exp, dest, uri = _imported_call(tmp_path, monkeypatch)
+    clients = sorted(json.loads((dest / "partitions/domain/seed0.json").read_text())["clients"])
+    upload, tag = RunLogger.log_artifact, RunLogger.set_tags
+
+    def cut_upload(self, *args, **kwargs):
+        raise OSError("the import was cut here")
+
+    def cut_tag(self, tags):
+        if importer.IMPORTED in tags:
+            raise OSError("the import was cut here")
+        tag(self, tags)
+
+    monkeypatch.setattr(RunLogger, *(("log_artifact", cut_upload) if cut_at == "artifacts" else ("set_tags", cut_tag)))
+    with pytest.raises(OSError, match="cut here"):
+        importer.log_runs(dest, "gpu")
+    monkeypatch.setattr(RunLogger, "log_artifact", upload)
+    monkeypatch.setattr(RunLogger, "set_tags", tag)
+    (run_id,) = importer.log_runs(dest, "gpu")
+    client = MlflowClient(tracking_uri=uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, f"tags.experiment = '{exp}'")
+    assert [r.info.run_id for r in runs] == [run_id]
+    children = client.search_runs(experiments, "tags.`mlflow.parentRunId` LIKE '%'")
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {run_id}
+    assert sorted(r.data.tags["client"] for r in children) == clients

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.experiments.privacy import PrivacyConfig
-from pipeline.privacy.accounting import ClientPrivacy, client_privacy, epsilon
+from pipeline.privacy.accounting import ClientPrivacy, bound, client_privacy
 from pipeline.privacy.example_dp import DPSGDSteps
 from tests.errors import names
 from tests.faults import killed_after_checkpoint
@@ -51,13 +51,13 @@ def test_rdp_accountant_reproduces_tf_privacy_published_epsilons(sigma, epochs, 
     assert round(classical, 2) == published
     # What a client reports: the same RDP curve with opacus' tighter conversion (Balle et al. 2020), so a valid
     # bound at or below the published one, not far below it.
-    reported = epsilon(sigma, q, steps, delta, "rdp")
+    reported = bound(sigma, q, steps, delta, "rdp")[0]
     assert 0.75 * published < reported <= published
 
 
 def test_prv_accountant_agrees_with_rdp_within_its_slack():
     q, steps, delta = 256 / 60000, math.ceil(60 * 60000 / 256), 1e-5
-    prv, rdp = epsilon(1.1, q, steps, delta, "prv"), epsilon(1.1, q, steps, delta, "rdp")
+    prv, rdp = bound(1.1, q, steps, delta, "prv")[0], bound(1.1, q, steps, delta, "rdp")[0]
     assert 0.7 * rdp < prv <= rdp  # PRV is the tighter accountant (Gopi et al. 2021)
 
 
@@ -81,7 +81,7 @@ def test_prv_without_a_finite_bound_reports_rdps_and_names_it(ws, caplog):
     expected = rdp.get_epsilon(delta=1e-5)
     assert 100 < expected < math.inf
     with caplog.at_level("WARNING"):
-        assert epsilon(0.1, 0.5, 50, 1e-5, "prv") == pytest.approx(expected, rel=1e-12)
+        assert bound(0.1, 0.5, 50, 1e-5, "prv")[0] == pytest.approx(expected, rel=1e-12)
     assert any("PRV" in r.message and "RDP" in r.message and "1e-05" in r.message for r in caplog.records)
     path = _with_privacy(
         write_plan("prv-overflow", "fedavg", rounds=50, fraction_train=0.5),
@@ -102,9 +102,9 @@ def test_prv_without_a_finite_bound_reports_rdps_and_names_it(ws, caplog):
 
 
 def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
-    assert epsilon(1.0, 0.5, 0, 1e-3) == 0.0
-    assert epsilon(1.0, 0.5, 3, 1e-3) < epsilon(1.0, 0.5, 6, 1e-3)
-    assert epsilon(0.0, 0.5, 3, 1e-3) == math.inf
+    assert bound(1.0, 0.5, 0, 1e-3)[0] == 0.0
+    assert bound(1.0, 0.5, 3, 1e-3)[0] < bound(1.0, 0.5, 6, 1e-3)[0]
+    assert bound(0.0, 0.5, 3, 1e-3)[0] == math.inf
 
 
 def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
@@ -113,10 +113,10 @@ def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
     s = client_privacy(in_plan(cfg), n_examples=16)
     assert (s.sample_rate, s.steps_per_epoch, s.delta) == (0.5, 2, 1e-5)
     planned = 3 * 1 * s.steps_per_epoch  # rounds x local epochs x steps per epoch
-    eps = s.epsilon(planned)
+    eps = s.bound_after(planned)[0]
     assert 2.98 <= eps <= 3.0  # opacus' search stops within 0.01 below the target
-    assert s.epsilon(planned - 2) < eps  # a client that trained fewer rounds stays below it
-    assert epsilon(0.9 * s.noise_multiplier, 0.5, 6, 1e-5, accountant) > 3.0  # and the search is not loose
+    assert s.bound_after(planned - 2)[0] < eps  # a client that trained fewer rounds stays below it
+    assert bound(0.9 * s.noise_multiplier, 0.5, 6, 1e-5, accountant)[0] > 3.0  # and the search is not loose
 
 
 # ------------------------------------------------------------------------------------------ the step
@@ -485,7 +485,7 @@ def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
         per_round = math.ceil(n / TRAIN["batch_size"])
         p = metrics["clients"][client]["privacy"]
         assert p["steps"] == 2 * per_round
-        assert p["epsilon"] == pytest.approx(epsilon(1.0, min(1.0, TRAIN["batch_size"] / n), 2 * per_round, 1e-5))
+        assert p["epsilon"] == pytest.approx(bound(1.0, min(1.0, TRAIN["batch_size"] / n), 2 * per_round, 1e-5)[0])
 
 
 def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
@@ -536,7 +536,7 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
         assert set(m.keys()) == set(TRAIN_METRICS) | set(privacy_keys)
         assert all(isinstance(v, (int, float)) for v in m.values())
         assert m["dp-steps"] == rnd * per_round and m["num-steps"] == per_round
-        assert m["dp-epsilon"] == pytest.approx(epsilon(1.0, 4 / 6, rnd * per_round, 1e-5))
+        assert m["dp-epsilon"] == pytest.approx(bound(1.0, 4 / 6, rnd * per_round, 1e-5)[0])
         assert (m["dp-delta"], m["dp-noise-multiplier"], m["dp-max-grad-norm"]) == (pytest.approx(1e-5), 1.0, 1e-4)
         assert 0 < m["dp-clipped"] == m["dp-examples"]
     assert replies[0]["dp-epsilon"] < replies[1]["dp-epsilon"]

@@ -36,15 +36,15 @@ def _classical_rdp_epsilon(sigma: float, q: float, steps: int, delta: float) -> 
 def test_the_study_sigmas_at_delta_1e_5_against_independent_accountants(sigma, expected):
     """At delta = 1e-5 the study's noise gives epsilon ~17.6 / 7.9 / 3.2, not 8 / 3 / 1 (which held at delta =
     1/16). The value sits between the PRV accountant's (tighter) and the classical RDP conversion's (looser)."""
-    from pipeline.privacy.accounting import epsilon
+    from pipeline.privacy.accounting import bound
 
-    rdp = epsilon(sigma, STUDY_Q, STUDY_STEPS, 1e-5, "rdp")
-    prv = epsilon(sigma, STUDY_Q, STUDY_STEPS, 1e-5, "prv")
+    rdp = bound(sigma, STUDY_Q, STUDY_STEPS, 1e-5, "rdp")[0]
+    prv = bound(sigma, STUDY_Q, STUDY_STEPS, 1e-5, "prv")[0]
     classical = _classical_rdp_epsilon(sigma, STUDY_Q, STUDY_STEPS, 1e-5)
     assert rdp == pytest.approx(expected, abs=0.01)
     assert prv <= rdp <= classical
     assert rdp - prv < 0.15 * rdp  # PRV is near-exact: RDP is at most 15 % above it here
-    assert epsilon(sigma, STUDY_Q, STUDY_STEPS, 1 / 16, "rdp") < rdp / 2  # what delta = 1/n hid
+    assert bound(sigma, STUDY_Q, STUDY_STEPS, 1 / 16, "rdp")[0] < rdp / 2  # what delta = 1/n hid
 
 
 def test_the_committed_privacy_study_spent_each_target_at_delta_1e_5():
@@ -73,13 +73,13 @@ def test_the_committed_privacy_study_spent_each_target_at_delta_1e_5():
 
 def test_a_target_epsilon_at_the_default_delta_is_met_at_that_delta():
     from pipeline.experiments.privacy import PrivacyConfig
-    from pipeline.privacy.accounting import client_privacy, epsilon
+    from pipeline.privacy.accounting import bound, client_privacy
     from tests.test_privacy import in_plan
 
     s = client_privacy(in_plan(PrivacyConfig(mode="example", target_epsilon=3.0)), 16)
     assert s.delta == 1e-5 and s.delta <= 1 / (10 * 16)
-    rdp = epsilon(s.noise_multiplier, 0.5, 6, 1e-5)
-    assert 2.98 <= rdp <= 3.0 and epsilon(s.noise_multiplier, 0.5, 6, 1e-5, "prv") <= rdp  # PRV: tighter
+    rdp = bound(s.noise_multiplier, 0.5, 6, 1e-5)[0]
+    assert 2.98 <= rdp <= 3.0 and bound(s.noise_multiplier, 0.5, 6, 1e-5, "prv")[0] <= rdp  # PRV: tighter
 
 
 def test_the_train_stage_refuses_a_delta_of_one_over_n_before_training_with_exit_2(ws, capsys):

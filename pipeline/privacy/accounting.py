@@ -14,10 +14,6 @@ from pipeline.experiments.privacy import DEFAULT_DELTA, PrivacyConfig, SecAggCon
 log = logging.getLogger("fedmeet.privacy")
 
 
-def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> float:
-    return bound(noise_multiplier, q, steps, delta, accountant)[0]
-
-
 @lru_cache(maxsize=256)
 def bound(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> tuple[float, str]:
     """(epsilon, the accountant that gave it): (epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps
@@ -86,9 +82,6 @@ class FederationPrivacy:
     @property
     def sample_rate(self) -> float:
         return self.sampled / self.population
-
-    def epsilon_after(self, rounds: int) -> float:
-        return self.bound_after(rounds)[0]
 
     def bound_after(self, rounds: int) -> tuple[float, str]:
         """(epsilon, its accountant: :func:`bound`) after ``rounds`` rounds, empty samples too (adaptive: the
@@ -176,8 +169,8 @@ class ClientPrivacy:
     delta: float
     accountant: str
 
-    def epsilon(self, steps: int) -> float:
-        return epsilon(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
+    def bound_after(self, steps: int) -> tuple[float, str]:
+        return bound(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
 
 
 def client_privacy(plan, n_examples: int, where: str = "") -> ClientPrivacy:

@@ -167,7 +167,7 @@ class ClientLevelDP(Strategy):
         accounted = rnd + sum(n - 1 for r, n in self.releases.items() if int(r) <= rnd)  # a redone round's too
         for row in rows.values() if accounted > rnd else []:  # on every row of the round (the run record reads it)
             row["rounds_accounted"] = accounted
-        eps = self.setting.epsilon_after(accounted)  # every release so far, an empty sample too (Poisson sampling)
+        eps, _ = self.setting.bound_after(accounted)  # every release so far, an empty sample too (Poisson sampling)
         this_round = {
             "clipping_norm": float(clipping_norm),
             "epsilon": None if eps == float("inf") else eps,

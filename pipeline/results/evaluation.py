@@ -17,7 +17,7 @@ from pipeline.common.config import NonNegativeInt, PositiveInt, TokenLength, che
 from pipeline.common.schema import DataError
 from pipeline.experiments.plans import record_hash
 from pipeline.results.scoring import SCORE_KEYS, TABLE_ROUGE_L
-from pipeline.results.tracking import RunLogger, _client, experiment_id
+from pipeline.results.tracking import RunLogger, experiment_id, find_runs
 
 
 @config
@@ -208,7 +208,7 @@ def log_to_mlflow(
         # plan (two ablation points share a name, method, partition and seed; runs of imported records have no plan)
         identity = {"experiment": name} | ({"plan_hash": record_hash(experiment)} if run_tags is None else run_tags)
         where = " and ".join(f"tags.{k} = '{v}'" for k, v in identity.items()) + " and tags.plan_hash LIKE '%'"
-        runs = _client().search_runs([exp_id], where, order_by=["attributes.start_time DESC"])
+        runs = find_runs(exp_id, where, order_by=["attributes.start_time DESC"])
         run_id = runs[0].info.run_id if len({r.data.tags["plan_hash"] for r in runs}) == 1 else None
     # a record with no training run found (imported: none, or several plans) gets a run of its own, tagged as it says
     keys = ("method", "partition", "seed", "study", "tau")

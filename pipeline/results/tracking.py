@@ -146,6 +146,11 @@ def _client():
         return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
 
 
+def find_runs(exp_id: str, where: str, order_by: list[str] | None = None) -> list:
+    """The runs of the MLflow experiment ``exp_id`` that MLflow's filter ``where`` selects, in ``order_by``'s order."""
+    return _client().search_runs([exp_id], where, order_by=order_by)
+
+
 def experiment_id(study: str, description: str | None = None) -> str:
     """The MLflow experiment of a study, created on first use (an existing one: missing tags set, artifacts rebased)."""
     client = _client()
@@ -171,17 +176,17 @@ def experiment_id(study: str, description: str | None = None) -> str:
     return exp.experiment_id
 
 
-def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
+def rebase_artifacts(exp_id: str, study: str, location: str | None) -> None:
     """Point a study's artifact locations (its runs' and models' too) at this checkout's ``mlartifacts/<study>``
     when the store lives in the checkout; MLflow stores absolute locations and has no API to change them."""
     from mlflow.utils.file_utils import local_file_uri_to_path  # lazy: mlflow, as above
 
     db = _sqlite_path(tracking_uri())
     if db is None or not (location or "").startswith("file:") or not db.resolve().is_relative_to(repo_root().resolve()):
-        return False
+        return
     old = Path(local_file_uri_to_path(location))
     if old.name != study or old.parent.name != "mlartifacts" or old == artifact_dir(study):
-        return False  # not our layout, or already here
+        return  # not our layout, or already here
     old_uri, new_uri = location.rstrip("/"), artifact_dir(study).as_uri()
     with sqlite3.connect(db, timeout=60) as con:
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
@@ -191,7 +196,6 @@ def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
                 f"AND ({column} = ? OR substr({column}, 1, ?) = ?)",
                 (new_uri, len(old_uri) + 1, int(exp_id), old_uri, len(old_uri) + 1, old_uri + "/"),
             )
-    return True
 
 
 def split_dataset(partition: str, client: str, split: str, ids: list, source: str | Path):
@@ -216,7 +220,6 @@ class RunLogger:
         children = self._client.search_runs(
             [self._client.get_run(run_id).info.experiment_id],
             filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'",
-            max_results=1000,
         )
         self.children = {r.data.tags["client"]: r.info.run_id for r in children if "client" in r.data.tags}
         # each client's LoggedModel (its best adapter; the newest when a resumed run logged it again)
@@ -280,7 +283,6 @@ class RunLogger:
             for run in client.search_runs(
                 [exp_id],
                 filter_string=f"tags.experiment = '{tags['experiment']}' and attributes.status = 'RUNNING'",
-                max_results=1000,
             ):
                 if run.info.run_id != logger.run_id and not owner_alive(run.data.tags):
                     end_if_running(

@@ -465,6 +465,26 @@ def code_hash(root: Path) -> str:
     return digest.hexdigest()
 
 
+def _leaves(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``params``' leaves by their dotted key (``train.rounds``)."""
+    leaves: dict[str, Any] = {}
+    for key, value in params.items():
+        leaves |= _leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return leaves
+
+
+def params_changed(repo: Path, profile: Path, repo_dir: Path) -> list[str]:
+    """The params whose value in ``repo_dir``'s params.yaml (what the call that made the workspace merged) is not
+    the one ``repo``'s params.yaml with ``profile`` merged gives now."""
+    import yaml  # PyYAML: on the lent image (transformers needs it)
+
+    sent = _leaves(
+        merge_profile(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(profile.read_text()))
+    )
+    ran = _leaves(yaml.safe_load((repo_dir / "params.yaml").read_text()))
+    return sorted(k for k in sent.keys() | ran.keys() if k not in sent or k not in ran or sent[k] != ran[k])
+
+
 def refuse(out: Path, error: str) -> NoReturn:
     """A call that cannot go on: the one-line ``error`` in the study.json it returns, and its exit."""
     (out / "study.json").write_text(json.dumps({"complete": False, "error": error}) + "\n")
@@ -508,6 +528,12 @@ def run_study(
             out,
             f"{repo_dir}: its pipeline/ and tools/ are not the checkout's this call was sent with (changed since the "
             f"call that made it): resumed, the stages would run the old code; send a study call (no --resume)",
+        )
+    if {"install", "workspace"} <= done and (changed := params_changed(repo, profile, repo_dir)):
+        refuse(
+            out,
+            f"{repo_dir / 'params.yaml'}: {', '.join(changed)} differ from the checkout's params.yaml with "
+            f"{profile.name} merged: resumed, the stages would run the old params; send a study call (no --resume)",
         )
     smi = None
     with log_path.open("a" if earlier else "w") as log:

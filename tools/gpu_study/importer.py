@@ -107,7 +107,7 @@ def log_runs(dest: Path, device: str) -> list[str]:
     from pipeline.experiments.plans import read_plan
     from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.results.readers import run_converged
-    from pipeline.results.tracking import RunLogger, _client, experiment_id, run_name
+    from pipeline.results.tracking import RunLogger, delete_run, experiment_id, find_runs, run_name
     from pipeline.train import run_tags
     from pipeline.training.history import log_missing_rounds
     from pipeline.training.summary import convergence_tags, final_run_metrics
@@ -119,9 +119,15 @@ def log_runs(dest: Path, device: str) -> list[str]:
         plan = read_plan(run_dir / "experiment.json")
         record = digest(*sorted(run_dir.glob("*.json")))
         # a run that finished in a cut call comes back unchanged with the resumed call's files: imported once
-        found = _client().search_runs([experiment_id(plan.study)], f"tags.`{IMPORTED}` = '{record}'")
+        exp_id = experiment_id(plan.study)
+        found = find_runs(exp_id, f"tags.`{IMPORTED}` = '{record}'")
         tags = found[0].data.tags if found else {}
         if not found:
+            # a run an import was cut in (imported, no record tag: not all in) is deleted with its clients' runs and
+            # logged anew, not left beside the new one
+            for run in find_runs(exp_id, f"tags.experiment = '{plan.experiment}' and tags.imported_from LIKE '%'"):
+                if IMPORTED not in run.data.tags:
+                    delete_run(run.info.run_id)
             logger = RunLogger.start(
                 plan.study,
                 run_name(plan.experiment),
@@ -144,7 +150,7 @@ def log_runs(dest: Path, device: str) -> list[str]:
             evaluation = json.loads((eval_dir / "metrics.json").read_text())
             converged = run_converged(dest / "train", plan.experiment)
             log_to_mlflow(plan.to_json_dict() | {"mlflow_run_id": run_id}, evaluation, eval_dir, cfg, converged)
-            _client().set_tag(run_id, EVALUATED, evaluated)
+            RunLogger(run_id).set_tags({EVALUATED: evaluated})
         ids.append(run_id)
     return ids
 
