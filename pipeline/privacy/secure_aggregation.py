@@ -200,8 +200,6 @@ class _Offer(FedAvg):
         return self.offers
 
     def aggregate_fit(self, server_round, results, failures):
-        if not results:
-            return None, {}
         self.mean = parameters_to_ndarrays(results[0][1].parameters)
         return results[0][1].parameters, {}
 
