@@ -51,6 +51,7 @@ def secure_round(
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
+    from pipeline.experiments.privacy import wrap_problem
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies.catalog import build_strategy
     from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
@@ -91,7 +92,9 @@ def secure_round(
     strategy = build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3)
     global_ = ArrayRecord({k: Array(np.zeros_like(v)) for k, v in uploads[names[0]].items()})
     messages = list(strategy.configure_train(1, global_, ConfigRecord({"plan": "-"}), grid))
-    secure = SecureAggregator(cfg, max(weights.values()), len(names), timeout=600)
+    if problem := wrap_problem(cfg, len(names)):  # the plan stage's check (accounting.secure_sum_problem)
+        raise ValueError(problem)
+    secure = SecureAggregator(cfg, max(weights.values()), timeout=600)
     return secure, secure.train_round(grid, messages, 1), seen
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, group, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.experiments.model import ModelConfig
+from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.modeling.target_tags import PostagConfig, write_target_tags
 from pipeline.paths import PATHS
 
@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     with stage_timer("postag"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(PostagConfig, params.get("postag"), "postag")
-        max_target_length = ModelConfig.from_group(group(params, "model")).max_target_length
+        # the group's model keys (its cache keys are planning's to check)
+        model = {k: v for k, v in group(params, "model").items() if k in MODEL_RESULT_KEYS}
+        max_target_length = from_dict(ModelConfig, model, "model").max_target_length
         write_target_tags(cfg, args.examples, args.backbone, args.out, args.report, max_target_length)
 
 

@@ -27,7 +27,7 @@ import yaml
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import UniqueKeyLoader, flatten, load_params
+from pipeline.common.config import ConfigError, flatten, load_params
 
 # Groups a preset replaces as a whole instead of merging into (see module docstring).
 REPLACED_WHOLE = ("experiments",)
@@ -38,15 +38,14 @@ class PresetError(ValueError):
 
 
 def load_preset(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise PresetError(f"{p}: preset file not found")
-    try:
-        data = yaml.load(p.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        raise PresetError(f"{p}: not valid YAML ({e})") from e
-    if not isinstance(data, dict) or not data:
-        raise PresetError(f"{p}: a preset must be a non-empty mapping with params.yaml's nested layout")
+    if not Path(path).is_file():
+        raise PresetError(f"{path}: preset file not found")
+    try:  # read as params.yaml is: not YAML (a duplicate key, not UTF-8) or not a mapping, one line naming it
+        data = load_params(path)
+    except ConfigError as e:
+        raise PresetError(str(e)) from None
+    if not data:
+        raise PresetError(f"{path}: a preset must be a non-empty mapping with params.yaml's nested layout")
     return data
 
 

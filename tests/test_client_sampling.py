@@ -195,7 +195,7 @@ def test_under_secagg_an_empty_sample_releases_the_global_plus_the_noise():
     g = np.linspace(-1.0, 1.0, 20000)
     assert strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(0)) == []
     grid = SimpleNamespace(run=SimpleNamespace(run_id=1), send_and_receive=lambda messages, timeout=None: [])
-    secure = SecureAggregator(SecAggConfig(), 1, 3, 5.0, clipped_bits=True)
+    secure = SecureAggregator(SecAggConfig(), 1, 5.0, clipped_bits=True)
     arrays = _train_secure(secure, _Round(grid, strategy, 1, {}, {}, 5.0, client_level=strategy), [])
     assert arrays is not None, "the round released nothing: the unchanged global tells the sample was empty"
     noise = arrays["w"].numpy().astype(np.float64) - g.astype(np.float32)

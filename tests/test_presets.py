@@ -144,8 +144,18 @@ def test_shape_mismatches_and_duplicates_are_errors(tmp_path):
     assert pr.problems({"tau": {"a": 1}}, PARAMS) == ["tau.a: unknown key (params.yaml has no tau.a)"]
     with pytest.raises(pr.PresetError, match="duplicate key 'tau'"):
         pr.load_preset(write(tmp_path, "tau: 1.0\ntau: 2.0\n"))
-    with pytest.raises(pr.PresetError, match="non-empty mapping"):
+    with pytest.raises(pr.PresetError, match="expected a mapping at the top level"):
         pr.load_preset(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(pr.PresetError, match="non-empty mapping"):
+        pr.load_preset(write(tmp_path, "# every key commented out\n"))
+    with pytest.raises(pr.PresetError, match="absent.yaml: preset file not found"):
+        pr.load_preset(tmp_path / "absent.yaml")
+    with pytest.raises(pr.PresetError, match="preset file not found"):
+        pr.load_preset(tmp_path)  # a folder
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("study: 'Académie'\n".encode("latin-1"))  # not UTF-8: one line, no UnicodeDecodeError
+    with pytest.raises(pr.PresetError, match="latin1.yaml: not valid YAML"):
+        pr.load_preset(latin1)
 
 
 @pytest.mark.parametrize("group", ["train", "privacy", "evaluate", "experiments"])

@@ -1733,7 +1733,7 @@ def test_a_masked_vector_reply_whose_metrics_flower_cannot_read_halts_the_round_
         for n in names
     ]
     rows = _secure_rows(names.values())
-    secure = SecureAggregator(SecAggConfig(), max_weight=2, clients=3, timeout=5.0)
+    secure = SecureAggregator(SecAggConfig(), max_weight=2, timeout=5.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), msgs) is None
     assert all(rows[c]["failed"] == 1 for c in rows) and "['Committee']" in rows["Academic"]["error"]
@@ -1785,8 +1785,8 @@ class _InTheClearSecure:
     made: list = []
     lost_at_unmask = "Product"
 
-    def __init__(self, cfg, max_weight, clients, timeout, clipped_bits=False):
-        type(self).made.append((cfg, max_weight, clients, timeout, clipped_bits))
+    def __init__(self, cfg, max_weight, timeout, clipped_bits=False):
+        type(self).made.append((cfg, max_weight, timeout, clipped_bits))
         self.timeout, self.clipped_bits = timeout, clipped_bits
 
     def train_round(self, grid, messages, rnd):
@@ -1833,7 +1833,7 @@ def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_
     plan = load_plan(path)
     partition = json.loads(Path(plan.paths["partition"]).read_text())
     largest = max(len(c["train"]) for c in partition["clients"].values())
-    assert _InTheClearSecure.made == [(plan.privacy.secagg, largest, 3, 4.5, False)]
+    assert _InTheClearSecure.made == [(plan.privacy.secagg, largest, 4.5, False)]
     rows = rows_of(history, 1)
     assert rows["Product"]["failed"] == 1 and rows["Product"]["error"] == "SecAgg+ unmask: gone"
     assert "weight_share" not in rows["Product"] and rows["Product"]["bytes_up"] == 11
@@ -1873,7 +1873,7 @@ def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_release
     _InTheClearSecure.made = []
     script = Script(weight={c: 1 for c in WEIGHTS})  # clients under client-level DP report weight 1
     final, history, _ = run(path, script, timeout=4.5)
-    assert _InTheClearSecure.made == [(load_plan(path).privacy.secagg, 1, 3, 4.5, True)]
+    assert _InTheClearSecure.made == [(load_plan(path).privacy.secagg, 1, 4.5, True)]
     assert rows_of(history, 1)["Product"]["failed"] == 1
     uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 3  # the sum over the expected count (3 of 3)
     assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)

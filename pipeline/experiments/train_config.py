@@ -12,11 +12,9 @@ from pipeline.common.config import Fraction, NonNegative, Positive, PositiveInt,
 from pipeline.experiments.methods import STRATEGIES, strategy_params_keys
 
 # The loss's settings (LossSettings)
-KdDirection = Literal["teacher_to_student", "student_to_teacher"]
 # The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
 LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
 UNITS = {"e": "nats", "2": "bits"}  # H(q_g)'s and an absolute tau's, by train.entropy_log_base
-Normalisation = Literal["tokens", "sequences"]
 # How selective KD reads tau (params.yaml train.tau_scale; the entropy gate applies it)
 TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
 
@@ -54,11 +52,11 @@ class LossSettings:
 
     kd_lambda: Fraction = 0.2
     kd_temperature: Positive = 1.0
-    kd_direction: KdDirection = "teacher_to_student"
+    kd_direction: Literal["teacher_to_student", "student_to_teacher"] = "teacher_to_student"
     entropy_log_base: LogBase = "e"
     tau_scale: TauScale = "absolute"
     kd_gate: str = "entropy"  # a registered gate (pipeline.modeling.gates), checked at planning time
-    loss_normalisation: Normalisation = "tokens"
+    loss_normalisation: Literal["tokens", "sequences"] = "tokens"
 
 
 @config

@@ -79,13 +79,13 @@ def secure_aggregator(
         if problem := secure_sum_problem(plan.privacy.secagg, len(clients), first, plan.train.fraction_train):
             raise ValueError(problem)
         if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
-            return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
+            return SecureAggregator(plan.privacy.secagg, 1, timeout, clipped_bits=True)
         # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
         # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.weight_scale).
         reported = [sizes.get(c, {}).get("num-train") for c in clients] if sizes else [None]
         if None in reported:
             reported = [len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values()]
-        return SecureAggregator(plan.privacy.secagg, max(reported), len(clients), timeout)
+        return SecureAggregator(plan.privacy.secagg, max(reported), timeout)
     except ValueError as exc:
         raise ConfigError(f"{plan.source or plan.experiment}: {exc}") from None
 

@@ -26,7 +26,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
-from pipeline.experiments.privacy import SECAGG_MODULUS, SecAggConfig, wrap_problem
+from pipeline.experiments.privacy import SECAGG_MODULUS, SecAggConfig
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     CLIPPED_KEY,
@@ -200,8 +200,6 @@ class _Offer(FedAvg):
         return self.offers
 
     def aggregate_fit(self, server_round, results, failures):
-        if not results:
-            return None, {}
         self.mean = parameters_to_ndarrays(results[0][1].parameters)
         return results[0][1].parameters, {}
 
@@ -224,11 +222,9 @@ class SecureAggregator:
     """Runs the train step of a round through SecAgg+; ``max_weight``: the largest FedAvg weight a client can report
     (1 under client-level DP, where every upload ends with its clipped bit: ``clipped_bits``)."""
 
-    def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float, clipped_bits: bool = False):
+    def __init__(self, cfg: SecAggConfig, max_weight: int, timeout: float, clipped_bits: bool = False):
         self.cfg, self.clipped_bits, self.timeout = cfg, clipped_bits, timeout
         self.scale = weight_scale(cfg, max_weight)
-        if problem := wrap_problem(cfg, clients):
-            raise ValueError(problem)
 
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
         run_id, offers = grid.run.run_id, []
