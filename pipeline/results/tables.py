@@ -175,7 +175,6 @@ def main_table_markdown(
         "|" + "---|" * len(header),
     ]
     for label, t in table.groupby("label", sort=False):
-        method = t["method"].iloc[0]
 
         def cell(client: str, metric: str, what: str, t=t) -> str:
             r = t[(t["client"] == client) & (t["metric"] == metric)]
@@ -187,12 +186,11 @@ def main_table_markdown(
             missing = pd.isna(r["paper"]) or pd.isna(r[what])  # what: "paper" or "diff"
             return "–" if missing else f"{r[what]:{'+.2f' if what == 'diff' else '.2f'}}"
 
-        seeds, mark = t.iloc[0], row_mark(converged, "main", label, None)
-        seed_text = f"{seeds['n_seeds']}" + (f" ({seeds['seeds']})" if seeds["seeds"] else "")
-        seed_text += f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else ""
+        row, mark = t.iloc[0], row_mark(converged, "main", label, None)  # the row's seeds, method and its paper name
+        seed_text = f"{row['n_seeds']}" + (f" ({row['seeds']})" if row["seeds"] else "")
+        seed_text += f", missing {row['missing_seeds']}" if row["missing_seeds"] else ""
         seed_text += f" {mark}" if mark else ""
-        name = published.PAPER_METHOD_NAMES.get(method, method)
-        name = name if label == method else f"{name} ({label})"
+        name = row["paper_name"] + ("" if label == row["method"] else f" ({label})")
         rows = [(name, "ours", "ours", seed_text)] + (
             [("", "paper", "paper", ""), ("", "ours − paper", "diff", "")] if key else []
         )
