@@ -24,7 +24,7 @@ from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
 from pipeline.results.readers import read_json, run_converged
 from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_METRICS, Scorer, mean_scores
-from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
+from pipeline.results.stats import BootstrapConfig, bootstrap_method, mean_interval, meetings
 from pipeline.results.tracking import split_dataset
 
 
@@ -116,14 +116,17 @@ def evaluate_experiments(
 
         # each ROUGE's client average's bootstrap interval (test examples, or QMSum's meetings, resampled in clients)
         groups = [g for _, g in per_example.groupby("client", sort=True)]
-        mean_ci = client_average_intervals(groups, SCORE_KEYS, bootstrap)
+        clusters = meetings(g["example_id"] for g in groups)
+        mean_ci = {
+            k: mean_interval([g[k].to_numpy()[None, :] for g in groups], bootstrap, clusters) for k in SCORE_KEYS
+        }
         metrics = metrics_record(plan, backbone, cfg, per_client, exp.skipped_clients) | {
             "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
             "ci": {
                 "level": bootstrap.level,
                 "n_resamples": bootstrap.n_resamples,
                 "seed": bootstrap.seed,
-                "method": bootstrap_method(meetings(g["example_id"] for g in groups)),
+                "method": bootstrap_method(clusters),
             },
         }
         atomic.write_json(out_dir / "metrics.json", metrics)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import numpy as np
-import pandas as pd
 from pydantic import Field
 from scipy import stats as sps
 
@@ -246,17 +245,8 @@ def meetings(ids_per_client: Iterable[Iterable[str]]) -> list[np.ndarray] | None
     return [np.array([i.rsplit("/", 1)[0] if i.startswith("qmsum/") else i for i in client]) for client in ids]
 
 
-def client_average_intervals(
-    per_client: list[pd.DataFrame], columns: Iterable[str], cfg: BootstrapConfig
-) -> dict[str, Interval]:
-    """One seed's interval of the client average of each score column, from per-client frames with
-    ``example_id`` (QMSum: its meetings resampled, :func:`meetings`)."""
-    clusters = meetings(f["example_id"] for f in per_client)
-    return {c: mean_interval([f[c].to_numpy()[None, :] for f in per_client], cfg, clusters) for c in columns}
-
-
 def bootstrap_method(clusters: list[np.ndarray] | None) -> str:
-    """How :func:`client_average_intervals` resampled, in words (metrics.json ``ci.method``)."""
+    """How the evaluate stage's intervals resampled (clusters: :func:`meetings`), in words: metrics.json ci.method."""
     unit = "test examples" if clusters is None else "meetings (with all their queries)"
     what = "test examples" if clusters is None else "test meetings"
     where = "once for every client" if clusters is not None and spans_clients(clusters) else "within clients"

@@ -26,6 +26,10 @@ from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig
 
 METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_rouge": "avg"}
+# The main table's columns (Table III long form), the order of its rows' values.
+MAIN_COLUMNS = (
+    "backbone method label paper_name client metric ours_mean ours_std n_seeds seeds missing_seeds paper diff"
+).split()
 
 
 @config
@@ -122,23 +126,12 @@ def main_table(agg: pd.DataFrame, backbone: str, inp: ReportInputs) -> pd.DataFr
 
     def add(method: str, label: str, client: str, ours: Any) -> None:
         pub = paper.get(client, {}).get(method)
+        name = published.PAPER_METHOD_NAMES.get(method, method)
         for metric in TABLE_METRICS:
-            p = getattr(pub, metric) if pub else None
-            rows.append(
-                {
-                    "backbone": backbone,
-                    "method": method,
-                    "label": label,
-                    "paper_name": published.PAPER_METHOD_NAMES.get(method, method),
-                    "client": client,
-                    "metric": METRIC_LABELS[metric],
-                    "ours_mean": ours[f"{metric}_mean"],
-                    "ours_std": ours[f"{metric}_std"],
-                    **{k: ours[k] for k in ("n_seeds", "seeds", "missing_seeds")},
-                    "paper": p,
-                    "diff": None if p is None else ours[f"{metric}_mean"] - p,
-                }
-            )
+            p, mean = getattr(pub, metric) if pub else None, ours[f"{metric}_mean"]
+            seeds = [ours[k] for k in ("n_seeds", "seeds", "missing_seeds")]
+            row = (backbone, method, label, name, client, METRIC_LABELS[metric], mean, ours[f"{metric}_std"], *seeds)
+            rows.append((*row, p, None if p is None else mean - p))
 
     for c in inp.configurations:
         if c.study == "main" and c.label not in set(sub["label"]):
@@ -150,7 +143,8 @@ def main_table(agg: pd.DataFrame, backbone: str, inp: ReportInputs) -> pd.DataFr
     for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
         for client in _client_order(lsub["client"]):
             add(method, label, client, lsub[lsub["client"] == client].iloc[0])
-    table = pd.DataFrame(rows)  # never empty: the report asks only for a backbone with main-study rows
+    # never empty: the report asks only for a backbone with main-study rows
+    table = pd.DataFrame(rows, columns=MAIN_COLUMNS)
     order = {m: i for i, m in enumerate(published.METHOD_ORDER)}
     table["_order"] = [order.get(m, len(order)) for m in table["method"]]
     return table.sort_values(["_order", "label"], kind="stable").drop(columns="_order").reset_index(drop=True)
@@ -181,7 +175,6 @@ def main_table_markdown(
         "|" + "---|" * len(header),
     ]
     for label, t in table.groupby("label", sort=False):
-        method = t["method"].iloc[0]
 
         def cell(client: str, metric: str, what: str, t=t) -> str:
             r = t[(t["client"] == client) & (t["metric"] == metric)]
@@ -193,12 +186,11 @@ def main_table_markdown(
             missing = pd.isna(r["paper"]) or pd.isna(r[what])  # what: "paper" or "diff"
             return "–" if missing else f"{r[what]:{'+.2f' if what == 'diff' else '.2f'}}"
 
-        seeds, mark = t.iloc[0], row_mark(converged, "main", label, None)
-        seed_text = f"{seeds['n_seeds']}" + (f" ({seeds['seeds']})" if seeds["seeds"] else "")
-        seed_text += f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else ""
+        row, mark = t.iloc[0], row_mark(converged, "main", label, None)  # the row's seeds, method and its paper name
+        seed_text = f"{row['n_seeds']}" + (f" ({row['seeds']})" if row["seeds"] else "")
+        seed_text += f", missing {row['missing_seeds']}" if row["missing_seeds"] else ""
         seed_text += f" {mark}" if mark else ""
-        name = published.PAPER_METHOD_NAMES.get(method, method)
-        name = name if label == method else f"{name} ({label})"
+        name = row["paper_name"] + ("" if label == row["method"] else f" ({label})")
         rows = [(name, "ours", "ours", seed_text)] + (
             [("", "paper", "paper", ""), ("", "ours − paper", "diff", "")] if key else []
         )
