@@ -1012,6 +1012,74 @@ def test_a_declared_client_without_a_score_is_named_in_the_evaluation_every_n_ro
     assert list(entry["skipped_clients"]) == ["Committee"]
 
 
+MALFORMED_SUMMARIES = {  # how Committee's summarize reply differs -> what failed_clients says of it (a part)
+    "no identity": ({"without": "identity"}, "lacks an identity ConfigRecord"),
+    "identity a MetricRecord": ({"identity": {"n": 1}}, "lacks an identity ConfigRecord"),
+    "no metrics": ({"without": "metrics"}, "or a MetricRecord 'metrics'"),
+    "a score missing": ({"drop": "rouge2"}, "'rouge2': None"),
+    "a score a list": ({"set": {"rouge2": [1.0, 2.0]}}, "'rouge2': [1.0, 2.0]"),
+    "a count missing": ({"drop": "n_test"}, "'n_test': None"),
+    "a count a list": ({"set": {"n": [4, 4]}}, "'n': [4, 4]"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_SUMMARIES))
+def test_a_malformed_summarize_reply_fails_its_node_not_the_servers_run(ws, monkeypatch, caplog, case):
+    """evaluate-every=1: Committee's node answers query.summarize with a reply that cannot be read (no identity record
+    or one that is no ConfigRecord, no metrics record; n > 0 but a score or count missing or no number). It raised
+    KeyError/TypeError in the evaluation every N rounds, inside run_server, ending the whole run. It is that node's
+    failure: rounds.json's entry names it in failed_clients with the problem, Committee is skipped, the mean is over
+    Academic (30) and Product (10) = 20, and one log line names the node and the problem."""
+    import logging
+    from types import SimpleNamespace
+
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation import deployment
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.paths import PATHS
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+    from tests.errors import logs
+
+    change, problem = MALFORMED_SUMMARIES[case]
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        name = context.node_config["client-name"]
+        score = {"Academic": 30.0, "Committee": 20.0, "Product": 10.0}[name]
+        values = {k: score for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0}
+        identity = ConfigRecord({"client-name": name})
+        if name == "Committee":
+            values = {k: v for k, v in values.items() if k != change.get("drop")} | change.get("set", {})
+            identity = MetricRecord(change["identity"]) if "identity" in change else identity
+        records = {"identity": identity, "metrics": MetricRecord(values)}
+        if name == "Committee":
+            records.pop(change.get("without"), None)
+        return Message(RecordDict(records), reply_to=msg)
+
+    path = write_plan("dep-malformed-summary", "fedavg", rounds=2)
+    plan = load_plan(path)
+    grid = InProcessGrid(app, [{"client-name": c, "plan": path} for c in plan.clients])
+    _set_server_identity(grid.run.run_id)
+    committee = next(n for n in grid.get_node_ids() if grid.contexts[n].node_config["client-name"] == "Committee")
+    monkeypatch.setattr(deployment.TrainRecorder, "round_done", lambda *a: None)  # the train stage's part
+    recorder = deployment.DeploymentRecorder(None, grid, path, EvaluateConfig(), 1, 5.0)
+    with caplog.at_level(logging.INFO, logger="fedmeet"):
+        recorder.round_done(plan, SimpleNamespace(round=1), [])
+    (entry,) = json.loads((PATHS.eval_dir("dep-malformed-summary") / "rounds.json").read_text())["rounds"]
+    assert {c: v["avg_rouge"] for c, v in entry["clients"].items()} == {"Academic": 30.0, "Product": 10.0}
+    assert entry["mean"]["avg_rouge"] == pytest.approx(20.0)
+    assert list(entry["skipped_clients"]) == ["Committee"]
+    assert (
+        list(entry["failed_clients"]) == [f"node {committee}"]
+        and problem in entry["failed_clients"][f"node {committee}"]
+    )
+    logs([r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], f"node {committee}", problem)
+
+
 def test_a_federated_evaluation_reply_that_never_came_is_logged_naming_the_client_and_the_wait(ws, caplog):
     """Committee's node does not answer query.summarize within the timeout: metrics.json records it (failed_clients,
     skipped_clients) and the server's log says so in a line naming the client and the wait, not only the scores of the

@@ -236,6 +236,32 @@ def test_a_rerun_waits_for_its_own_supernode_not_for_the_id_an_earlier_run_logge
         fed.procs.stop_all()
 
 
+def test_each_supernode_logs_to_its_own_file_whatever_the_other_clients_names(ws, monkeypatch):
+    """A SuperNode's log is supernode-<client>.log, a restart's supernode-<client>-<n>.log. Restarts were counted by
+    the names that start with supernode-<client>, so those of other clients whose name extends it counted too: with
+    clients A-1, AB and A, A's first log was supernode-A-2.log. Each process gets the first name of supernode-<client>,
+    -1, -2, ... no process of the run has, so no two share a log (A's restart: A-1 is the client A-1's). Stand-in
+    processes: no process starts."""
+    from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation, Process
+    from tests.test_federated import write_plan
+
+    fed = LocalhostFederation(LocalhostConfig(plan=write_plan("log-names", "fedavg"), clients=["A-1", "AB", "A"]))
+
+    def start(name, argv, cwd, capture=False):
+        fed.procs.procs.append(proc := Process(name, None, fed.procs.log_dir / f"{name}.log"))
+        return proc
+
+    monkeypatch.setattr(fed.procs, "start", start)
+    try:
+        for client in ["A-1", "AB", "A", "A", "A-1", "AB", "A"]:  # the three, then restarts
+            assert fed.start_supernode(client) is fed.supernodes[client]
+        names = [p.name for p in fed.procs.procs]
+    finally:
+        fed.procs.procs.clear()  # stand-ins: nothing to stop
+    expected = ["A-1", "AB", "A", "A-2", "A-1-1", "AB-1", "A-3"]
+    assert names == [f"supernode-{n}" for n in expected]
+
+
 def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, tmp_path):
     """The SuperLink is killed and `flwr run` exits at once (before the next poll): the run stops with the round a
     rerun resumes at, whichever process is seen gone first."""

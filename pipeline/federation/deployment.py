@@ -32,6 +32,7 @@ from pipeline.federation.protocol import (
     PLAN_HASH,
     error_line,
     load_plan,
+    metrics_row,
     plan_path_of,
     replies_by_node,
     unanswered,
@@ -63,7 +64,8 @@ log = logging.getLogger("fedmeet.deployment")
 
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
-COUNTS = ("n", "n_test", "skipped_by_subsampling")  # a client's evaluation counts (the rest of its reply: scores)
+# a summarize reply's metrics (protocol.metrics_row's spec): the client's scores and its evaluation counts
+SUMMARY_METRICS = {k: (k, float) for k in SCORE_KEYS} | {k: (k, int) for k in ("n", "n_test", "skipped_by_subsampling")}
 ROUND_KEYS = ("clients", "skipped_clients", "mean", "failed_clients")  # rounds.json's: kept without MLflow too
 
 
@@ -119,30 +121,42 @@ def federated_evaluate(
     ]
     replies = replies_by_node(grid, queries, timeout)
     failed = {f"node {n}": error_line(r) for n, r in replies.items() if r.has_error()}
-    named = {n: str(r.content["identity"]["client-name"]) for n, r in replies.items() if not r.has_error()}
-    # under --auth a SuperNode restarted with another client-name keeps its node id, and with it its admitted client
-    wrong = {n: c for n, c in named.items() if nodes is not None and nodes.get(n, c) != c}
-    failed |= {f"node {n}": f"it answers as client {c!r}, admitted as {nodes[n]!r}" for n, c in wrong.items()}
-    received = {c: replies[n].content[METRICS_KEY] for n, c in named.items() if n not in wrong}
+    received: dict[str, dict[str, Any] | None] = {}  # client -> its scores (None: no test examples)
+    for n, r in [(n, r) for n, r in replies.items() if not r.has_error()]:
+        try:  # a reply that cannot be read is its node's failure: no client reply ends the server's run
+            name, scores = _summary(r)
+        except ValueError as exc:
+            failed[f"node {n}"] = f"it cannot be decoded: {exc}"
+            continue
+        # under --auth a SuperNode restarted with another client-name keeps its node id, and with it its admitted client
+        if nodes is not None and nodes.get(n, name) != name:
+            failed[f"node {n}"] = f"it answers as client {name!r}, admitted as {nodes[n]!r}"
+        else:
+            received[name] = scores
     failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in unanswered(queries, replies)}
     # The plan's clients only (a refused node answers too), in the evaluate stage's (partition's) order so means add
     # up alike; a plan without declared clients: names as the clients gave them (the server holds no partition file).
     order = list(plan.clients) if plan.clients else sorted(received)
-    per_client: dict[str, dict[str, Any]] = {}
     skipped = {c: "no score: its node is gone or failed (failed_clients)" for c in order if c not in received}
     if skipped:  # the client average is over the others
         log.warning("%s: federated evaluation: no score of %s (failed: %s)", plan.experiment, sorted(skipped), failed)
-    for name, metrics in [(c, received[c]) for c in order if c in received]:
-        if metrics.get("n", 0) == 0:
-            skipped[name] = "no test examples on the client"
-            continue
-        per_client[name] = {k: float(metrics[k]) for k in SCORE_KEYS} | {k: int(metrics[k]) for k in COUNTS}
+    skipped |= {c: "no test examples on the client" for c in order if c in received and received[c] is None}
+    per_client = {c: received[c] for c in order if received.get(c) is not None}
     # as the evaluate stage reports the backbone: the recorded name, else the model type
     backbone = backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type))
     return metrics_record(plan, backbone, cfg, per_client, skipped) | {
         "evaluated_on": "clients",  # federated: each client scored its own test set; no text reached the server
         "failed_clients": failed,
     }
+
+
+def _summary(reply: Message) -> tuple[str, dict[str, Any] | None]:
+    """A summarize reply's client and its scores as metrics.json's (None: no test examples, ``n`` 0 or none); a reply
+    without its records, or whose scores are not one number each, raises ValueError saying so."""
+    name = reply.content.config_records.get("identity", {}).get("client-name")
+    if name is None or (metrics := reply.content.metric_records.get(METRICS_KEY)) is None:
+        raise ValueError(f"it lacks an identity ConfigRecord of a client-name or a MetricRecord {METRICS_KEY!r}")
+    return str(name), None if metrics.get("n", 0) == 0 else metrics_row(metrics, SUMMARY_METRICS)
 
 
 @client_app.query("summarize")

@@ -193,8 +193,9 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         argv += ["--port", str(free_port()), "--node-config", node_config]
         if name in self.keys:  # SuperNode authentication: its private key
             argv += ["--auth-supernode-private-key", str(self.keys[name][0])]
-        restarts = sum(1 for p in self.procs.procs if p.name.startswith(f"supernode-{name}"))
-        proc = self.procs.start(f"supernode-{name}" + (f"-{restarts}" if restarts else ""), argv, self.workdir)
+        taken = {p.name for p in self.procs.procs}  # a log of its own: the first of supernode-<name>, -1, -2, ... free
+        labels = (f"supernode-{name}" + (f"-{n}" if n else "") for n in range(len(taken) + 1))  # one is free
+        proc = self.procs.start(next(label for label in labels if label not in taken), argv, self.workdir)
         self.supernodes[name] = proc
         return proc
 
