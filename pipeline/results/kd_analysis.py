@@ -177,9 +177,14 @@ SWEEP_POS = ("noun_verb_kd_rate", "det_pron_share_of_no_kd")
 SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "kd_usage_ratio", *SWEEP_POS]
 
 
+def gate_name(run: Experiment) -> str:
+    """A SelectKD run's gate: the entropy gate's tau_scale (absolute: tau an entropy), else kd_gate (e.g. margin)."""
+    return run.tau_scale if run.kd_gate == "entropy" else run.kd_gate
+
+
 def tau_nats(run: Experiment) -> float | None:
     """A run's tau on the sweep's axis, in nats: an absolute threshold in bits is the same gate at tau x ln 2."""
-    bits = (run.kd_gate, run.tau_scale, run.entropy_log_base) == ("entropy", "absolute", "2") and run.tau is not None
+    bits = (gate_name(run), run.entropy_log_base) == ("absolute", "2") and run.tau is not None
     return run.tau * math.log(2) if bits else run.tau
 
 
@@ -192,8 +197,7 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
         w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
-        scale = run.tau_scale if run.kd_gate == "entropy" else run.kd_gate  # a margin is no entropy: beside the axis
-        point = (run.name, client, tau_nats(run), scale, run.seed, s["avg_rouge"])
+        point = (run.name, client, tau_nats(run), gate_name(run), run.seed, s["avg_rouge"])
         rows.append((*point, u["kd_usage_ratio"] if u else math.nan, *(pos.get(k, math.nan) for k in SWEEP_POS)))
     return rows
 
