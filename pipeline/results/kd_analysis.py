@@ -288,17 +288,15 @@ def _finish_client_panels(fig, axes, clients: list[str], empty_message: str, tit
 
 def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     clients = sorted({c for per in comparison.values() for c in per})
-    methods = [m for m in (SELECTKD, HARDKD) if m in comparison]
     fig, axes = plt.subplots(1, max(1, len(clients)), figsize=(4 * max(1, len(clients)), 3.8), squeeze=False)
     labels = ["R-1", "R-2", "R-L", "avg"]
     x = np.arange(len(labels))
     for ax, client in zip(axes[0], clients):
-        for j, method in enumerate(methods):
+        for j, (method, name) in enumerate(((SELECTKD, "SelectKD"), (HARDKD, "noun-verb hard KD"))):
             rec = comparison[method].get(client)
             if not rec:
                 continue
             yerr = [rec["std"][m] for m in METRICS] if rec["n_seeds"] > 1 else None
-            name = "SelectKD" if method == SELECTKD else "noun-verb hard KD"
             means = [rec["mean"][m] for m in METRICS]
             ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=yerr, label=f"{name} (n={rec['n_seeds']})")
         ax.set(xticks=x, xticklabels=labels, title=client, ylabel="ROUGE F1 x 100")
