@@ -118,11 +118,10 @@ class Analysis:
         comparison = {m: kd_analysis.seed_means([(e.name, s) for e, s in r]) for m, r in runs.items()}
         kd_analysis.plot_hardkd(comparison, self.figures / "hardkd_vs_selectkd.png")
         both = set.intersection(*({(e.partition, e.seed) for e, _ in r} for r in runs.values()))
-        paired = {
-            m: kd_analysis.seed_means([(e.name, s) for e, s in r if (e.partition, e.seed) in both])
-            for m, r in runs.items()
-        }
-        hard, select = paired[HARDKD], paired[SELECTKD]
+        hard, select = (
+            kd_analysis.seed_means([(e.name, s) for e, s in runs[m] if (e.partition, e.seed) in both])
+            for m in (HARDKD, SELECTKD)
+        )
         diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
         return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": diff}
 
