@@ -272,8 +272,7 @@ def plot_entropy(
     ax2.bar(list(passed), [100 * f for f in passed.values()], color="tab:blue")
     best = [r["best_round"] for r in record["per_experiment"].values()]
     ax2.vlines(sorted(set(best)), 0, 1, transform=ax2.get_xaxis_transform(), color="k", ls=":", lw=1)
-    ax2.set(ylim=(0, 100), ylabel="% tokens with KD", xticks=rounds)
-    ax2.set_xlabel("round" + (" (dotted: best round)" if best else ""))
+    ax2.set(ylim=(0, 100), ylabel="% tokens with KD", xticks=rounds, xlabel="round (dotted: best round)")
     save(fig, path)
 
 
