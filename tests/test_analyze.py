@@ -502,7 +502,52 @@ def test_main_runs_whose_entropies_are_in_different_units_are_refused_not_pooled
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"tau": 5.0, "experiments": runs}))
     assert run(analyze.main, []) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: params.yaml") and "['bits', 'nats']" in err[0]
+    assert (
+        len(err) == 1
+        and err[0].startswith("error: params.yaml")
+        and "(0.46, 'max_entropy', 'bits'), (0.46, 'max_entropy', 'nats')" in err[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "gates, refused",
+    [
+        # 0.5 nats (H(q_g) < 0.5) and 0.5 of ln|V| (H(q_g) < 5.4 nats on BART's 50,265 tokens): two gates at one tau
+        (
+            ({"tau_scale": "absolute"}, {"tau_scale": "max_entropy"}),
+            [(0.5, "absolute", "nats"), (0.5, "max_entropy", "nats")],
+        ),
+        # H(q_g) < 0.5 nats and a top-1 minus top-2 probability >= 0.5
+        (({}, {"kd_gate": "margin"}), [(0.5, "absolute", "nats"), (0.5, "margin", "nats")]),
+        # the batch's 0.5-quantile of H(q_g) and a probability margin
+        (
+            ({"tau_scale": "batch_quantile"}, {"kd_gate": "margin"}),
+            [(0.5, "batch_quantile", "nats"), (0.5, "margin", "nats")],
+        ),
+        # one gate: a margin reads no tau_scale (gates/margin.py), so its runs are seeds of one gate
+        (({"kd_gate": "margin"}, {"kd_gate": "margin", "tau_scale": "max_entropy"}), None),
+    ],
+)
+def test_main_runs_with_different_gates_at_one_tau_are_refused_not_pooled(
+    tmp_path, monkeypatch, capsys, gates, refused
+):
+    # A client's KD usage ratio is a mean over its main runs as seeds of one gate, its POS pattern and gate pass
+    # fraction per round pool their decisions; main runs at different taus are refused, and so must be runs at one
+    # tau whose gates differ (the gates above decide on different quantities or thresholds), not pooled as one gate.
+    from pipeline.common.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    main = {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.5}
+    runs = {f"sel_s{seed}": main | {"seed": seed} | gate for seed, gate in enumerate(gates)}
+    for name in runs:
+        write_experiment(tmp_path, name, {"Product": 2, "Academic": 1}, {"Product": (30, 10, 20)})
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"experiments": runs}))
+    assert run(analyze.main, []) == (2 if refused else 0)
+    err = capsys.readouterr().err.strip().splitlines()
+    if refused:
+        assert len(err) == 1 and err[0].startswith("error: params.yaml") and str(refused) in err[0]
 
 
 def test_hard_kd_minus_selectkd_is_taken_over_the_seeds_both_trained(tmp_path):

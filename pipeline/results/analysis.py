@@ -33,7 +33,7 @@ from pipeline.results.plotting import slug
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
-MAIN_STUDY, TAU_STUDY, ABS = "main", "tau_sweep", ("absolute", "entropy")  # ABS: tau an entropy threshold
+MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
 
 
 @config
@@ -91,20 +91,20 @@ class Analysis:
         all_words = pd.concat([u["words"].assign(experiment=n) for n, u in usages.items()])
         all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
         runs = [e for e in self.main if e.name in usages]
-        taus = sorted({e.tau for e in runs if e.tau is not None})
-        units = sorted({UNITS[e.entropy_log_base] for e in runs})
+        # a client's runs are pooled: one tau, gate and unit of H(q_g) (5 bits is 5 ln 2 = 3.47 nats)
+        setups = sorted({(e.tau, kd_analysis.gate_name(e), UNITS[e.entropy_log_base]) for e in runs})
+        if len(setups) > 1:
+            raise ConfigError(f"params.yaml: the main-study SelectKD runs use different taus, gates or units: {setups}")
         # a portable gate's tau (a share of ln|V|, a quantile) or a margin is no entropy: no H(q_g) < tau, no tau line
-        absolute = bool(taus) and {(e.tau_scale, e.kd_gate) for e in runs} == {ABS}
-        if len(taus) > 1 or len(units) > 1:  # 5 bits is 5 ln 2 = 3.47 nats; a client's H(q_g) are pooled over runs
-            raise ConfigError(f"params.yaml: the main-study SelectKD runs use different taus {taus} or units {units}")
-        tau, unit = taus[0] if absolute else None, units[0]  # unit: H(q_g)'s, an absolute tau's too
+        tau, kind, unit = setups[0]  # unit: H(q_g)'s, an absolute tau's too
+        tau = tau if kind == "absolute" else None
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
             kd_analysis.plot_pos(client, rec, self.figures / f"pos_{slug(client)}.png")
             kd_analysis.plot_entropy(client, gate, rec, tau, unit, self.figures / f"entropy_{slug(client)}.png")
-        return clients, usages, tau, unit if absolute else None
+        return clients, usages, tau, unit if tau is not None else None
 
     def hardkd(self) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds, and their difference
@@ -118,11 +118,10 @@ class Analysis:
         comparison = {m: kd_analysis.seed_means([(e.name, s) for e, s in r]) for m, r in runs.items()}
         kd_analysis.plot_hardkd(comparison, self.figures / "hardkd_vs_selectkd.png")
         both = set.intersection(*({(e.partition, e.seed) for e, _ in r} for r in runs.values()))
-        paired = {
-            m: kd_analysis.seed_means([(e.name, s) for e, s in r if (e.partition, e.seed) in both])
-            for m, r in runs.items()
-        }
-        hard, select = paired[HARDKD], paired[SELECTKD]
+        hard, select = (
+            kd_analysis.seed_means([(e.name, s) for e, s in runs[m] if (e.partition, e.seed) in both])
+            for m in (HARDKD, SELECTKD)
+        )
         diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
         return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": diff}
 
@@ -140,7 +139,7 @@ class Analysis:
         per_run = pd.DataFrame(rows, columns=kd_analysis.SWEEP_COLUMNS)
         table, portable = kd_analysis.tau_sweep_summary(per_run)
         atomic.to_csv(table.round(6), self.paths.analysis / "tau_sweep.csv", index=False)
-        main = [kd_analysis.tau_nats(e) for e in self.main if (e.tau_scale, e.kd_gate) == ABS]  # its tau, in nats too
+        main = [kd_analysis.tau_nats(e) for e in self.main if kd_analysis.gate_name(e) == "absolute"]  # in nats too
         kd_analysis.plot_tau_sweep(table, main[0] if main else None, self.figures / "tau_sweep.png")
         return {
             "points": table.to_dict(orient="records"),

@@ -177,9 +177,14 @@ SWEEP_POS = ("noun_verb_kd_rate", "det_pron_share_of_no_kd")
 SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "kd_usage_ratio", *SWEEP_POS]
 
 
+def gate_name(run: Experiment) -> str:
+    """A SelectKD run's gate: the entropy gate's tau_scale (absolute: tau an entropy), else kd_gate (e.g. margin)."""
+    return run.tau_scale if run.kd_gate == "entropy" else run.kd_gate
+
+
 def tau_nats(run: Experiment) -> float | None:
     """A run's tau on the sweep's axis, in nats: an absolute threshold in bits is the same gate at tau x ln 2."""
-    bits = (run.kd_gate, run.tau_scale, run.entropy_log_base) == ("entropy", "absolute", "2") and run.tau is not None
+    bits = (gate_name(run), run.entropy_log_base) == ("absolute", "2") and run.tau is not None
     return run.tau * math.log(2) if bits else run.tau
 
 
@@ -192,8 +197,7 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
         w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
-        scale = run.tau_scale if run.kd_gate == "entropy" else run.kd_gate  # a margin is no entropy: beside the axis
-        point = (run.name, client, tau_nats(run), scale, run.seed, s["avg_rouge"])
+        point = (run.name, client, tau_nats(run), gate_name(run), run.seed, s["avg_rouge"])
         rows.append((*point, u["kd_usage_ratio"] if u else math.nan, *(pos.get(k, math.nan) for k in SWEEP_POS)))
     return rows
 
@@ -268,8 +272,7 @@ def plot_entropy(
     ax2.bar(list(passed), [100 * f for f in passed.values()], color="tab:blue")
     best = [r["best_round"] for r in record["per_experiment"].values()]
     ax2.vlines(sorted(set(best)), 0, 1, transform=ax2.get_xaxis_transform(), color="k", ls=":", lw=1)
-    ax2.set(ylim=(0, 100), ylabel="% tokens with KD", xticks=rounds)
-    ax2.set_xlabel("round" + (" (dotted: best round)" if best else ""))
+    ax2.set(ylim=(0, 100), ylabel="% tokens with KD", xticks=rounds, xlabel="round (dotted: best round)")
     save(fig, path)
 
 
@@ -284,17 +287,15 @@ def _finish_client_panels(fig, axes, clients: list[str], empty_message: str, tit
 
 def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     clients = sorted({c for per in comparison.values() for c in per})
-    methods = [m for m in (SELECTKD, HARDKD) if m in comparison]
     fig, axes = plt.subplots(1, max(1, len(clients)), figsize=(4 * max(1, len(clients)), 3.8), squeeze=False)
     labels = ["R-1", "R-2", "R-L", "avg"]
     x = np.arange(len(labels))
     for ax, client in zip(axes[0], clients):
-        for j, method in enumerate(methods):
+        for j, (method, name) in enumerate(((SELECTKD, "SelectKD"), (HARDKD, "noun-verb hard KD"))):
             rec = comparison[method].get(client)
             if not rec:
                 continue
             yerr = [rec["std"][m] for m in METRICS] if rec["n_seeds"] > 1 else None
-            name = "SelectKD" if method == SELECTKD else "noun-verb hard KD"
             means = [rec["mean"][m] for m in METRICS]
             ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=yerr, label=f"{name} (n={rec['n_seeds']})")
         ax.set(xticks=x, xticklabels=labels, title=client, ylabel="ROUGE F1 x 100")
