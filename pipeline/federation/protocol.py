@@ -216,8 +216,7 @@ def train_reply_metrics(content: RecordDict, plan: Plan) -> MetricRecord:
         keys |= ({KEY_NORM_BIT} if p.clipping == "adaptive" else set()) | ({CLIPPED_KEY} & m.keys())
     if extra := sorted(m.keys() - keys):
         raise ValueError(f"its metrics hold keys the plan's replies do not: {extra}")
-    if odd := {key: m.get(key) for key in sorted(keys) if not _number(m.get(key), float)}:
-        raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
+    metrics_row(m, {key: (key, float) for key in sorted(keys)})  # each one number
     return m
 
 
