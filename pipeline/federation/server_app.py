@@ -346,9 +346,8 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
             f"round {r.rnd}: SecAgg+ unmasked the sum of {summed} of {len(messages)} sampled clients "
             f"(threshold {result.threshold} of {result.num_shares} shares)"
         )
-    if (
-        result.arrays is None and r.client_level is not None
-    ):  # none summed or released: W and the noise, as in the clear
+    # none summed or released: W and the noise, as in the clear
+    if result.arrays is None and r.client_level is not None:
         return r.strategy.release_secure_mean(r.rnd, None, 0, 0)
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
