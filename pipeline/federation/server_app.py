@@ -19,6 +19,7 @@ from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
+    DP_METRICS,
     EVAL_METRICS,
     METRICS_KEY,
     PLAN_HASH,
@@ -255,14 +256,13 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         del r.node_names[node]
 
 
-def _train_metrics(m) -> dict[str, Any]:
-    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) as its history row's fields;
+def _train_metrics(row: dict[str, Any]) -> dict[str, Any]:
+    """A train reply's row fields (metrics_row's of TRAIN_METRICS, and DP_METRICS) with its DP-SGD report read;
     ValueError unless it trained (num-examples, num-steps at least 1: FedAvg divides by the weights' sum, FedNova by
     each client's steps; a client with an empty train split cannot even identify: client_data.read_partition)."""
-    row = metrics_row(m, TRAIN_METRICS) | (privacy_row(m) if "dp-epsilon" in m else {})
     if row["weight"] < 1 or row["n_steps"] < 1:
         raise ValueError(f"it reports no training: num-examples {row['weight']}, num-steps {row['n_steps']}")
-    return row
+    return privacy_row(row) if "epsilon" in row else row
 
 
 def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
@@ -324,8 +324,9 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
         row = r.rows[r.node_names[node]]
         row["bytes_down"], row["bytes_up"] = outcome.bytes_down, outcome.bytes_up
         try:
-            if outcome.metrics is not None:
-                row.update(_train_metrics(outcome.metrics) | metrics_row(outcome.metrics, SECAGG_METRICS))
+            if (m := outcome.metrics) is not None:  # the dict SecAgg+'s FitRes carried
+                dp = DP_METRICS if "dp-epsilon" in m else {}
+                row.update(_train_metrics(metrics_row(m, TRAIN_METRICS | dp)) | metrics_row(m, SECAGG_METRICS))
         except ValueError as exc:
             row["error"] = f"it cannot be decoded: {exc}"
             undecodable += [row["client"]] if node in result.in_sum else []
