@@ -280,7 +280,7 @@ def _train_in_the_clear(
     delta-encoded replies' reference); under client-level DP each decoded update is checked against this round's C
     and ``r.clipped`` gets (clipped or not, its norm) per client."""
     replies = replies_by_node(r.grid, messages, r.timeout)
-    left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
+    left_out: set[int] = set()  # misnamed, decoded badly, or (client-level DP) not within C
     for node, reply in replies.items():
         row = r.rows[r.node_names[node]]
         if reply.has_error():
@@ -290,17 +290,14 @@ def _train_in_the_clear(
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
         if why := misnamed(reply, node, row["client"]):
             r.misnamed.add(node)
-            left_out.add(id(reply))
-            _left_out(r, row, why)
-            continue
-        # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
-        try:
-            metrics = _train_metrics(train_reply_metrics(reply.content, plan))
-            reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
-            update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
-            why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
-        except (KeyError, ValueError) as exc:
-            why = f"it cannot be decoded: {exc}"
+        else:  # the strategy aggregates float32 states: decode the reply in place (a delta against `sent`)
+            try:
+                metrics = _train_metrics(train_reply_metrics(reply.content, plan))
+                reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
+                update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
+                why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
+            except (KeyError, ValueError) as exc:
+                why = f"it cannot be decoded: {exc}"
         if why is not None:
             left_out.add(id(reply))
             _left_out(r, row, why)
