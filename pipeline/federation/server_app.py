@@ -240,15 +240,14 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         row = r.rows[r.node_names[node]]
         if reply.has_error():
             why[row["client"]] = error_line(reply)
-            continue
-        if wrong := misnamed(reply, node, row["client"]):
+        elif wrong := misnamed(reply, node, row["client"]):
             why[row["client"]] = wrong
             r.misnamed.add(node)
-            continue
-        try:
-            row.update(metrics_row(reply.content.metric_records.get(METRICS_KEY, {}), EVAL_METRICS))
-        except ValueError as exc:
-            why[row["client"]] = f"it cannot be decoded: {exc}"
+        else:
+            try:
+                row.update(metrics_row(reply.content.metric_records.get(METRICS_KEY, {}), EVAL_METRICS))
+            except ValueError as exc:
+                why[row["client"]] = f"it cannot be decoded: {exc}"
     for name, reason in why.items():
         r.rows[name]["eval_failed"] = 1
         log.warning("round %d: client %s failed to evaluate: %s", r.rnd, name, reason)
