@@ -1294,6 +1294,8 @@ def _metric_record():
         (lambda c: c["identity"].pop("client-name"), "client-name"),
         (lambda c: (c.pop("identity"), c.__setitem__("identity", _metric_record())), "identity"),
         (lambda c: c["identity"].__setitem__("num-train", "many"), "num-train"),
+        (lambda c: c["identity"].__setitem__("num-train", 2.7), "num-train"),  # int() read it as 2
+        (lambda c: c["identity"].__setitem__("num-valid", 0.5), "num-valid"),  # and this as 0
     ],
 )
 def test_a_malformed_identify_reply_leaves_its_node_out_not_the_servers_run(ws, caplog, corrupt, problem):

@@ -12,7 +12,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from pipeline.experiments.plans import plan_hash
-from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, PLAN_HASH, START_OVER, error_line, load_plan
+from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, PLAN_HASH, START_OVER, error_line, load_plan, metrics_row
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -111,7 +111,7 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None) -> 
         identity = None if reply.has_error() else reply.content.config_records.get("identity")
         try:  # a reply that cannot be read is a node failing to identify: a deployed client must not end the run
             name = str(identity["client-name"])  # no identity record (None): TypeError
-            counts = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
+            counts = metrics_row(identity, {k: (k, int) for k in ("num-train", "num-valid") if k in identity})
         except (KeyError, TypeError, ValueError) as e:
             why = f"its reply has no identity ConfigRecord of a client-name (whole num-train, num-valid): {e!r}"
             why = error_line(reply) if reply.has_error() else why

@@ -193,32 +193,31 @@ def payload_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.array_records.values())
 
 
-def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple[str, type]]) -> dict[str, Any]:
-    """A reply's metrics ``spec`` names (key -> history row field, type) as the row's fields; a key missing or a value
-    not one number of its type (an int: whole) raises ValueError naming it (a malformed reply: its client's failure)."""
+def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple[str | None, type]]) -> dict[str, Any]:
+    """A reply's metrics ``spec`` names (key -> history row field or None, type) as the row's fields; a key missing or a
+    value not one number of its type (an int: whole) raises ValueError naming it (a malformed reply: its failure)."""
     if odd := {key: m.get(key) for key, (_, kind) in spec.items() if not _number(m.get(key), kind)}:
         raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
-    return {field: kind(m[key]) for key, (field, kind) in spec.items()}
+    return {field: kind(m[key]) for key, (field, kind) in spec.items() if field is not None}
 
 
-def train_reply_metrics(content: RecordDict, plan: Plan) -> MetricRecord:
-    """A train reply's MetricRecord in the clear, checked as Flower's strategies need every reply of a round (or they
-    raise InconsistentMessageReplies, ending the run): the reply holds one ArrayRecord ARRAYS_KEY and one MetricRecord
-    METRICS_KEY with the keys ``plan``'s replies hold, each one number: TRAIN_METRICS; DP_METRICS under example-level
-    DP; under client-side clipping Flower's mod's KEY_NORM_BIT if adaptive, and CLIPPED_KEY (a reply without it is
-    ClientLevelDP.clipped's: not clipped within C). Else ValueError naming what differs."""
+def train_reply_metrics(content: RecordDict, plan: Plan) -> dict[str, Any]:
+    """A train reply's metrics in the clear as its row's fields, checked as Flower's strategies need every reply of a
+    round (or they raise InconsistentMessageReplies, ending the run): one ArrayRecord ARRAYS_KEY and one MetricRecord
+    METRICS_KEY with the keys ``plan``'s replies hold, each one number of its type: TRAIN_METRICS; DP_METRICS under
+    example-level DP; under client-side clipping (no row fields) Flower's mod's KEY_NORM_BIT if adaptive, and
+    CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C). Else ValueError naming it."""
     records = (list(content.array_records), list(content.metric_records))
     if records != ([ARRAYS_KEY], [METRICS_KEY]):
         raise ValueError(f"its array and metric records are not [{ARRAYS_KEY!r}], [{METRICS_KEY!r}]: {records}")
     p, m = plan.privacy, content.metric_records[METRICS_KEY]
-    keys = set(TRAIN_METRICS) | (set(DP_METRICS) if p is not None and p.mode == "example" else set())
+    spec = TRAIN_METRICS | (DP_METRICS if p is not None and p.mode == "example" else {})
     if p is not None and p.mode == "client" and p.clipping_side == "client":
-        keys |= ({KEY_NORM_BIT} if p.clipping == "adaptive" else set()) | ({CLIPPED_KEY} & m.keys())
-    if extra := sorted(m.keys() - keys):
+        marks = ({KEY_NORM_BIT} if p.clipping == "adaptive" else set()) | ({CLIPPED_KEY} & m.keys())
+        spec |= {key: (None, float) for key in sorted(marks)}
+    if extra := sorted(m.keys() - spec.keys()):
         raise ValueError(f"its metrics hold keys the plan's replies do not: {extra}")
-    if odd := {key: m.get(key) for key in sorted(keys) if not _number(m.get(key), float)}:
-        raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
-    return m
+    return metrics_row(m, spec)
 
 
 def _number(value: Any, kind: type) -> bool:
@@ -227,8 +226,7 @@ def _number(value: Any, kind: type) -> bool:
     return kind is float or float(value).is_integer()
 
 
-def privacy_row(m: MetricRecord) -> dict[str, Any]:
-    """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
-    row = metrics_row(m, DP_METRICS)
-    row |= {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
+def privacy_row(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` (metrics_row's of a reply's DP_METRICS) with its DP-SGD report read (-1 on the wire: None)."""
+    row = row | {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
     return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}

@@ -19,6 +19,7 @@ from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
+    DP_METRICS,
     EVAL_METRICS,
     METRICS_KEY,
     PLAN_HASH,
@@ -239,15 +240,14 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         row = r.rows[r.node_names[node]]
         if reply.has_error():
             why[row["client"]] = error_line(reply)
-            continue
-        if wrong := misnamed(reply, node, row["client"]):
+        elif wrong := misnamed(reply, node, row["client"]):
             why[row["client"]] = wrong
             r.misnamed.add(node)
-            continue
-        try:
-            row.update(metrics_row(reply.content.metric_records.get(METRICS_KEY, {}), EVAL_METRICS))
-        except ValueError as exc:
-            why[row["client"]] = f"it cannot be decoded: {exc}"
+        else:
+            try:
+                row.update(metrics_row(reply.content.metric_records.get(METRICS_KEY, {}), EVAL_METRICS))
+            except ValueError as exc:
+                why[row["client"]] = f"it cannot be decoded: {exc}"
     for name, reason in why.items():
         r.rows[name]["eval_failed"] = 1
         log.warning("round %d: client %s failed to evaluate: %s", r.rnd, name, reason)
@@ -255,14 +255,13 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         del r.node_names[node]
 
 
-def _train_metrics(m) -> dict[str, Any]:
-    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) as its history row's fields;
+def _train_metrics(row: dict[str, Any]) -> dict[str, Any]:
+    """A train reply's row fields (metrics_row's of TRAIN_METRICS, and DP_METRICS) with its DP-SGD report read;
     ValueError unless it trained (num-examples, num-steps at least 1: FedAvg divides by the weights' sum, FedNova by
     each client's steps; a client with an empty train split cannot even identify: client_data.read_partition)."""
-    row = metrics_row(m, TRAIN_METRICS) | (privacy_row(m) if "dp-epsilon" in m else {})
     if row["weight"] < 1 or row["n_steps"] < 1:
         raise ValueError(f"it reports no training: num-examples {row['weight']}, num-steps {row['n_steps']}")
-    return row
+    return privacy_row(row) if "epsilon" in row else row
 
 
 def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
@@ -280,7 +279,7 @@ def _train_in_the_clear(
     delta-encoded replies' reference); under client-level DP each decoded update is checked against this round's C
     and ``r.clipped`` gets (clipped or not, its norm) per client."""
     replies = replies_by_node(r.grid, messages, r.timeout)
-    left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
+    left_out: set[int] = set()  # misnamed, decoded badly, or (client-level DP) not within C
     for node, reply in replies.items():
         row = r.rows[r.node_names[node]]
         if reply.has_error():
@@ -290,17 +289,14 @@ def _train_in_the_clear(
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
         if why := misnamed(reply, node, row["client"]):
             r.misnamed.add(node)
-            left_out.add(id(reply))
-            _left_out(r, row, why)
-            continue
-        # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
-        try:
-            metrics = _train_metrics(train_reply_metrics(reply.content, plan))
-            reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
-            update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
-            why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
-        except (KeyError, ValueError) as exc:
-            why = f"it cannot be decoded: {exc}"
+        else:  # the strategy aggregates float32 states: decode the reply in place (a delta against `sent`)
+            try:
+                metrics = _train_metrics(train_reply_metrics(reply.content, plan))
+                reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
+                update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
+                why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
+            except (KeyError, ValueError) as exc:
+                why = f"it cannot be decoded: {exc}"
         if why is not None:
             left_out.add(id(reply))
             _left_out(r, row, why)
@@ -324,8 +320,9 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
         row = r.rows[r.node_names[node]]
         row["bytes_down"], row["bytes_up"] = outcome.bytes_down, outcome.bytes_up
         try:
-            if outcome.metrics is not None:
-                row.update(_train_metrics(outcome.metrics) | metrics_row(outcome.metrics, SECAGG_METRICS))
+            if (m := outcome.metrics) is not None:  # the dict SecAgg+'s FitRes carried
+                dp = DP_METRICS if "dp-epsilon" in m else {}
+                row.update(_train_metrics(metrics_row(m, TRAIN_METRICS | dp)) | metrics_row(m, SECAGG_METRICS))
         except ValueError as exc:
             row["error"] = f"it cannot be decoded: {exc}"
             undecodable += [row["client"]] if node in result.in_sum else []
@@ -346,9 +343,8 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
             f"round {r.rnd}: SecAgg+ unmasked the sum of {summed} of {len(messages)} sampled clients "
             f"(threshold {result.threshold} of {result.num_shares} shares)"
         )
-    if (
-        result.arrays is None and r.client_level is not None
-    ):  # none summed or released: W and the noise, as in the clear
+    # none summed or released: W and the noise, as in the clear
+    if result.arrays is None and r.client_level is not None:
         return r.strategy.release_secure_mean(r.rnd, None, 0, 0)
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
