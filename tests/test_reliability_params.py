@@ -349,6 +349,34 @@ def test_missing_upstream_output_is_one_line_naming_it(tmp_path, monkeypatch, st
     assert re.match(rf"error: {re.escape(missing)}: .*not found", outcome.lines[0]), outcome.lines[0]
 
 
+@pytest.mark.parametrize(
+    "stage, args",
+    [
+        ("ingest", ["--dataset", "qmsum"]),
+        ("examples", []),
+        ("partition", ["--scheme", "domain", "--seed", "0"]),
+        ("postag", []),
+        ("backbone", []),
+        ("plan", []),
+        ("analyze", []),
+        ("report", []),
+        ("evaluate", ["run", "--experiment", "fedavg-domain"]),
+        ("presets", ["check", "preset.yaml"]),
+    ],
+)
+def test_a_params_path_that_is_a_folder_is_one_line_naming_it(tmp_path, monkeypatch, stage, args):
+    """``--params`` naming a folder (a study folder for its params.yaml) passed load_params' exists() check and
+    ended in an IsADirectoryError traceback at every stage that takes --params; one line naming the folder now."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "study").mkdir()
+    where = ["--params", "study"]
+    argv = where + args if stage == "presets" else args + where  # presets: its options before the command
+    outcome = run_inprocess(importlib.import_module(f"pipeline.{stage}").main, argv)
+    assert outcome.status == EXIT_USAGE, outcome.stderr
+    assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert outcome.lines[0] == "error: study: not a readable parameter file (Is a directory)", outcome.lines[0]
+
+
 def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch):
     """An experiment entry copied and left under the same name: plain YAML keeps the last one and drops the first
     silently (the plan stage wrote one plan, tau 2); it is refused, naming the file, the key and its line."""

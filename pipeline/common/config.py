@@ -99,6 +99,8 @@ def load_params(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{p}: parameter file not found (run from the project root)")
     try:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
+    except OSError as exc:  # a folder (--params given a study folder), no permission to read
+        raise ConfigError(f"{p}: not a readable parameter file ({exc.strerror})") from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
