@@ -234,11 +234,11 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "", sep: s
     return built
 
 
-def group(params: dict[str, Any], name: str) -> dict[str, Any]:
-    """Params group ``name`` ({} when absent or null); anything but a mapping is a ConfigError naming it."""
+def group(params: dict[str, Any], name: str, file: str = "params.yaml") -> dict[str, Any]:
+    """Params group ``name`` ({} when absent or null); anything but a mapping is a ConfigError naming it in ``file``."""
     value = params.get(name) or {}
     if not isinstance(value, dict):
-        raise ConfigError(f"params.yaml {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{file} {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
     return value
 
 
