@@ -19,7 +19,7 @@ from pipeline.experiments.entries import Experiment, Inherited, privacy_label
 from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_strategy
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
-from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, RunSettings, run_settings
+from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, RunSettings
 from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
 from pipeline.federation.strategies.catalog import BUILDERS
 from pipeline.modeling.cache import DTYPES
@@ -40,12 +40,12 @@ class ModelGroup(ModelConfig, CacheConfig):
     cache_dtype: Literal[tuple(DTYPES)] = "float32"  # a plan carries it unless float32 (a float16 prefix is rounded)
 
 
-def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
+def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: str = "params.yaml") -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
-    where = f"params.yaml experiments.{name}"
+    where = f"{file} experiments.{name}"
     if not isinstance(name, str) or not name or "/" in name or name in RESERVED_NAMES:
         raise ConfigError(
-            f"params.yaml experiments: invalid experiment name {name!r} (a string, no '/', not one of "
+            f"{file} experiments: invalid experiment name {name!r} (a string, no '/', not one of "
             f"{sorted(RESERVED_NAMES)}: those are directories under models/)"
         )
     if not isinstance(raw, dict):
@@ -58,7 +58,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
             f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
         )
     reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
-    tau, train = raw.get("tau"), group(params, "train") | overrides  # the entry's train keys win
+    tau, train = raw.get("tau"), group(params, "train", file) | overrides  # the entry's train keys win
     entry = {k: raw[k] for k in ("method", "partition", "study") if k in raw} | {
         "name": str(name),
         "seed": raw.get("seed", params.get("seed", 0)),
@@ -79,10 +79,10 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
     return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
 
 
-def declared(params: dict[str, Any]) -> list[Experiment]:
-    """Every experiment of the params file, in its order, each checked (the first bad entry raises, naming it)."""
-    from_dict(Inherited, {key: params[key] for key in ("seed", "tau") if key in params}, "params.yaml", sep=" ")
-    return [parse_entry(name, raw, params) for name, raw in group(params, "experiments").items()]
+def declared(params: dict[str, Any], file: str = "params.yaml") -> list[Experiment]:
+    """Every experiment of the params ``file``, in its order, each checked (the first bad entry raises, naming it)."""
+    from_dict(Inherited, {key: params[key] for key in ("seed", "tau") if key in params}, file, sep=" ")
+    return [parse_entry(name, raw, params, file) for name, raw in group(params, "experiments", file).items()]
 
 
 # Train keys that only matter for some methods: left out of other methods' plans so changing them does not
@@ -120,16 +120,16 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
     return {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
 
 
-def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
+def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.yaml") -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
-    method, where = get_method(exp.method), f"params.yaml experiments.{exp.name}"
+    method, where = get_method(exp.method), f"{file} experiments.{exp.name}"
     t = group(params, "train")  # an entry's mappings (stop, join, fedopt) merge key by key, as privacy's secagg does
     merged = t | {k: t[k] | v if isinstance(v, dict) and type(t.get(k)) is dict else v for k, v in exp.train.items()}
     # run-time keys left out (run_settings), the entry's checked here: its train stage reads them
     from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.kd_gate not in GATES:
-        at = f"{where}: train" if "kd_gate" in exp.train else "params.yaml train"  # the entry's own, else params'
+        at = f"{where}: train" if "kd_gate" in exp.train else f"{file} train"  # the entry's own, else params'
         raise ConfigError(f"{at}.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
@@ -182,20 +182,21 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     return plan
 
 
-def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def check_params(params: dict[str, Any], file: str = "params.yaml") -> dict[str, dict[str, Any]]:
     """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
     # Checked here, before any plan is written, although only the train stage builds the model from it.
-    from_dict(ModelGroup, group(params, "model"), "params.yaml model")
-    run_settings(params)
-    train_config({k: v for k, v in group(params, "train").items() if k not in RUN_TRAIN_KEYS}, "params.yaml train")
+    from_dict(ModelGroup, group(params, "model", file), f"{file} model")  # its cache keys (CacheConfig's) too
+    train = group(params, "train", file)  # its run-time keys (RunSettings') and the rest (TrainConfig's)
+    from_dict(RunSettings, {k: v for k, v in train.items() if k in RUN_TRAIN_KEYS}, f"{file} train")
+    train_config({k: v for k, v in train.items() if k not in RUN_TRAIN_KEYS}, f"{file} train")
     part = from_dict(PartitionConfig, params.get("partition"), "partition")
-    for exp in (experiments := declared(params)):  # its train stage's dep data/partitions/<partition>.json
+    for exp in (experiments := declared(params, file)):  # its train stage's dep data/partitions/<partition>.json
         if exp.partition not in {f"{scheme}/seed{seed}" for scheme in part.schemes for seed in part.seeds}:
             raise ConfigError(
-                f"params.yaml experiments.{exp.name}.partition: {exp.partition!r} is not produced by "
+                f"{file} experiments.{exp.name}.partition: {exp.partition!r} is not produced by "
                 f"partition.schemes {part.schemes} x partition.seeds {part.seeds}"
             )
-    return {exp.name: resolve_plan(exp, params) for exp in experiments}
+    return {exp.name: resolve_plan(exp, params, file) for exp in experiments}
 
 
 def write_plans(plans: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:

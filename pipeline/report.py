@@ -28,10 +28,10 @@ def report_inputs(params: dict[str, Any], where: str = "params.yaml") -> ReportI
     `train` (params' with the entry's overrides) of each AdaCentralized and AdaSingle, checked before anything is
     written."""
     return ReportInputs(
-        planned := declared(params),
+        planned := declared(params, where),
         from_dict(ReportConfig, params.get("report"), f"{where} report"),
         from_dict(BootstrapConfig, params.get("bootstrap"), f"{where} bootstrap"),
-        {e.name: resolve_plan(e, params)["train"] for e in planned if e.method in ("centralized", "single")},
+        {e.name: resolve_plan(e, params, where)["train"] for e in planned if e.method in ("centralized", "single")},
     )
 
 

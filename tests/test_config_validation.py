@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 import pytest
 from pydantic import Field, model_validator
 
-from pipeline.common.config import ConfigError, config, from_dict
+from pipeline.common.config import ConfigError, config, from_dict, load_params
 
 
 @config
@@ -100,3 +100,14 @@ def test_built_in_code_a_bad_value_is_one_line_naming_the_class_and_key():
         Inner(kind="q")
     with pytest.raises(ConfigError, match=r"^Inner.rate=3.0 is out of range; allowed: > 0 and <= 1$"):
         dataclasses.replace(Inner(), rate=3.0)
+
+
+def test_a_params_path_that_is_a_folder_is_one_line_naming_it(tmp_path):
+    """``--params`` given a folder (a study folder instead of its params.yaml): it exists, so reading it was an
+    IsADirectoryError traceback; an absent file keeps its own line."""
+    (tmp_path / "study").mkdir()
+    with pytest.raises(ConfigError) as err:
+        load_params(tmp_path / "study")
+    assert str(err.value) == f"{tmp_path / 'study'}: not a readable parameter file (Is a directory)"
+    with pytest.raises(ConfigError, match=r"absent.yaml: parameter file not found \(run from the project root\)$"):
+        load_params(tmp_path / "absent.yaml")

@@ -349,6 +349,34 @@ def test_missing_upstream_output_is_one_line_naming_it(tmp_path, monkeypatch, st
     assert re.match(rf"error: {re.escape(missing)}: .*not found", outcome.lines[0]), outcome.lines[0]
 
 
+@pytest.mark.parametrize(
+    "stage, args",
+    [
+        ("ingest", ["--dataset", "qmsum"]),
+        ("examples", []),
+        ("partition", ["--scheme", "domain", "--seed", "0"]),
+        ("postag", []),
+        ("backbone", []),
+        ("plan", []),
+        ("analyze", []),
+        ("report", []),
+        ("evaluate", ["run", "--experiment", "fedavg-domain"]),
+        ("presets", ["check", "preset.yaml"]),
+    ],
+)
+def test_a_params_path_that_is_a_folder_is_one_line_naming_it(tmp_path, monkeypatch, stage, args):
+    """``--params`` naming a folder (a study folder for its params.yaml) passed load_params' exists() check and
+    ended in an IsADirectoryError traceback at every stage that takes --params; one line naming the folder now."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "study").mkdir()
+    where = ["--params", "study"]
+    argv = where + args if stage == "presets" else args + where  # presets: its options before the command
+    outcome = run_inprocess(importlib.import_module(f"pipeline.{stage}").main, argv)
+    assert outcome.status == EXIT_USAGE, outcome.stderr
+    assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert outcome.lines[0] == "error: study: not a readable parameter file (Is a directory)", outcome.lines[0]
+
+
 def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch):
     """An experiment entry copied and left under the same name: plain YAML keeps the last one and drops the first
     silently (the plan stage wrote one plan, tau 2); it is refused, naming the file, the key and its line."""
@@ -367,6 +395,51 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
     assert not (tmp_path / "plans").exists()
 
 
+@pytest.mark.parametrize(
+    "stage, args, key, value, problem",
+    [
+        # a model key the committed study params still hold (reports/cpu-study/params.yaml), no longer a params key
+        ("plan", [], "model", {"teacher_cache_gb": 1}, r"model: unknown key\(s\) \['teacher_cache_gb'\]; allowed: \["),
+        ("plan", [], "tau", 0, r"tau=0 is out of range; allowed: > 0"),
+        ("plan", [], "train", [5], r"train: expected a mapping of keys, got list \[5\]"),
+        ("plan", [], "train.round_timeout_s", -5, r"train.round_timeout_s=-5 is out of range; allowed: > 0"),
+        ("plan", [], "train.lr", "1e-5", r"train.lr: expected a number, got str '1e-5'"),
+        ("plan", [], "train.kd_gate", "entrpy", r"train.kd_gate 'entrpy' is not a KD gate"),
+        ("plan", [], "experiments.fedavg-domain.bogus", 1, r"experiments.fedavg-domain: unknown key\(s\) \['bogus'\]"),
+        (
+            "plan",
+            [],
+            "experiments.fedavg-domain.partition",
+            "domain/seed9",
+            r"experiments.fedavg-domain.partition: 'domain/seed9' is not produced by partition.schemes",
+        ),
+        ("analyze", [], "seed", -1, r"seed=-1 is out of range; allowed: >= 0"),
+        (
+            "report",
+            [],
+            "experiments.fedavg-domain.bogus",
+            1,
+            r"experiments.fedavg-domain: unknown key\(s\) \['bogus'\]",
+        ),
+        # the claims command reads the study folder's params.yaml (no --params)
+        ("report", ["claims", "study", "README.md"], "tau", 0, r"tau=0 is out of range; allowed: > 0"),
+    ],
+)
+def test_a_bad_key_of_a_params_file_elsewhere_is_named_in_that_file(
+    tmp_path, monkeypatch, stage, args, key, value, problem
+):
+    """A params file other than ./params.yaml (a study folder's, read by the claims command, or one given with
+    --params): the line named params.yaml, the project's, which holds no such value; it names the file read."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "params.yaml").write_text(yaml.safe_dump(edited_params(key, value)))
+    argv = args or ["--params", "study/params.yaml"]
+    outcome = run_inprocess(importlib.import_module(f"pipeline.{stage}").main, argv)
+    assert outcome.status == EXIT_USAGE, outcome.stderr
+    assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert re.match(rf"error: study/params\.yaml {problem}", outcome.lines[0]), outcome.lines[0]
+
+
 def test_the_plan_stage_resolves_each_experiment_once(tmp_path, monkeypatch):
     """The stage checks the privacy of every resolved plan, then writes those same plans: resolving them a second
     time for the writing doubled the stage's work (every extension's source hashed twice)."""
@@ -375,9 +448,7 @@ def test_the_plan_stage_resolves_each_experiment_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(copy.deepcopy(BASE)))
     calls = []
-    monkeypatch.setattr(
-        planning, "resolve_plan", lambda exp, params, f=planning.resolve_plan: calls.append(1) or f(exp, params)
-    )
+    monkeypatch.setattr(planning, "resolve_plan", lambda *args, f=planning.resolve_plan: calls.append(1) or f(*args))
     outcome = run_inprocess(plan.main, ["--params", "params.yaml", "--out", "plans"])
     assert outcome.status == 0, outcome.stderr
     assert len(calls) == len(BASE["experiments"]) == len(list((tmp_path / "plans").glob("*.json")))

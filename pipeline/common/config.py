@@ -99,6 +99,8 @@ def load_params(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{p}: parameter file not found (run from the project root)")
     try:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
+    except OSError as exc:  # a folder (--params given a study folder), no permission to read
+        raise ConfigError(f"{p}: not a readable parameter file ({exc.strerror})") from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
@@ -232,11 +234,11 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "", sep: s
     return built
 
 
-def group(params: dict[str, Any], name: str) -> dict[str, Any]:
-    """Params group ``name`` ({} when absent or null); anything but a mapping is a ConfigError naming it."""
+def group(params: dict[str, Any], name: str, file: str = "params.yaml") -> dict[str, Any]:
+    """Params group ``name`` ({} when absent or null); anything but a mapping is a ConfigError naming it in ``file``."""
     value = params.get(name) or {}
     if not isinstance(value, dict):
-        raise ConfigError(f"params.yaml {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{file} {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
     return value
 
 
