@@ -79,12 +79,10 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))
 
 
-def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
-    """Per client, the test examples every frame (one seed's per-example scores) has."""
-    frames = list(frames)
-    clients = sorted(set.intersection(*(set(f["client"]) for f in frames))) if frames else []
-    ids = {c: set.intersection(*(set(f.loc[f["client"] == c, "example_id"]) for f in frames)) for c in clients}
-    return {c: sorted(shared) for c, shared in ids.items() if shared}
+def shared_ids(frame: pd.DataFrame) -> dict[str, list[str]]:
+    """Per client, the test examples of ``frame`` (one seed's per-example scores; compare's: those A and B share)."""
+    ids = {c: sorted(set(frame.loc[frame["client"] == c, "example_id"])) for c in sorted(set(frame["client"]))}
+    return {c: shared for c, shared in ids.items() if shared}
 
 
 def client_rows(frames: Iterable[pd.DataFrame], client: str, ids: list[str]) -> list[pd.DataFrame]:
@@ -115,7 +113,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
         if fa is not None and fb is not None:
             frames[s] = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
     seeds = sorted(frames)
-    ids = {s: shared_ids([frames[s]]) for s in seeds}  # per seed, client: its examples
+    ids = {s: shared_ids(frames[s]) for s in seeds}  # per seed, client: its examples
     if not any(ids.values()):
         return []
     nested = any(ids[s] != ids[seeds[0]] for s in seeds)
