@@ -127,7 +127,7 @@ class Analysis:
 
     def tau_sweep(self, usages: dict[str, dict[str, Any]]) -> dict[str, Any]:
         sweep = [e for e in self.experiments if e.study == TAU_STUDY]
-        # The main SelectKD is the sweep's point at the top-level tau - only when there is a sweep to join.
+        # The main SelectKD joins the sweep (on its schemes) at its runs' tau: an entry's own, else the top-level.
         rows = []
         for e in sweep + [e for e in self.main if e.scheme in {s.scheme for s in sweep}]:
             if e.tau is None:

@@ -79,12 +79,10 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))
 
 
-def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
-    """Per client, the test examples every frame (one seed's per-example scores) has."""
-    frames = list(frames)
-    clients = sorted(set.intersection(*(set(f["client"]) for f in frames))) if frames else []
-    ids = {c: set.intersection(*(set(f.loc[f["client"] == c, "example_id"]) for f in frames)) for c in clients}
-    return {c: sorted(shared) for c, shared in ids.items() if shared}
+def shared_ids(frame: pd.DataFrame) -> dict[str, list[str]]:
+    """Per client, the test examples of ``frame`` (one seed's per-example scores; compare's: those A and B share)."""
+    ids = {c: sorted(set(frame.loc[frame["client"] == c, "example_id"])) for c in sorted(set(frame["client"]))}
+    return {c: shared for c, shared in ids.items() if shared}
 
 
 def client_rows(frames: Iterable[pd.DataFrame], client: str, ids: list[str]) -> list[pd.DataFrame]:
@@ -115,7 +113,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
         if fa is not None and fb is not None:
             frames[s] = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
     seeds = sorted(frames)
-    ids = {s: shared_ids([frames[s]]) for s in seeds}  # per seed, client: its examples
+    ids = {s: shared_ids(frames[s]) for s in seeds}  # per seed, client: its examples
     if not any(ids.values()):
         return []
     nested = any(ids[s] != ids[seeds[0]] for s in seeds)
@@ -155,10 +153,10 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
                     [stacked([rows[s, c] for s in seeds], f"{metric}_{side}") for c in scope_clients] for side in "ab"
                 )
                 r = paired_difference(*sides, cfg, clusters[0])
-            # a row in COLUMNS order; p_holm is with_holm's, over the study's family
+            # a row in COLUMNS order; p_holm and significant are with_holm's, over the study's family
             pair = (a.study, scope, a.method, b.method, a.label, b.label, b.study, metric)
             interval = (r.estimate, r.low, r.high, r.p_value, math.nan, n_examples, r.n_seeds)
-            out.append((*pair, *interval, identical, r.significant, mostly_identical, runs_a, runs_b))
+            out.append((*pair, *interval, identical, None, mostly_identical, runs_a, runs_b))
     return out
 
 

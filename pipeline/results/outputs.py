@@ -211,7 +211,7 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
     """Interval of a configuration's client-average avg ROUGE (or None): seeds on one test split crossed, seeds with
     their own test examples nested (each seed's full test sets; None when a client lacks some seed)."""
     frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
-    ids = [comparisons.shared_ids([f]) for f in frames]
+    ids = [comparisons.shared_ids(f) for f in frames]
     if not ids or not ids[0] or any(i.keys() != ids[0].keys() for i in ids):
         return None
     if any(i != ids[0] for i in ids):
