@@ -34,11 +34,6 @@ class Interval:
     p_value: float  # two-sided, against 0 (NaN for a one-sample interval of a mean)
     n_seeds: int
 
-    @property
-    def significant(self) -> bool:
-        """The interval excludes zero."""
-        return bool(self.low > 0.0 or self.high < 0.0)
-
 
 def _checked(
     per_client: list[np.ndarray], clusters: list[np.ndarray] | None
