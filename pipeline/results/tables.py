@@ -127,9 +127,10 @@ def main_table(agg: pd.DataFrame, backbone: str, inp: ReportInputs) -> pd.DataFr
     def add(method: str, label: str, client: str, ours: Any) -> None:
         pub = paper.get(client, {}).get(method)
         name = published.PAPER_METHOD_NAMES.get(method, method)
+        seeds = [ours[k] for k in ("n_seeds", "seeds", "missing_seeds")]
         for metric in TABLE_METRICS:
-            p, mean = getattr(pub, metric) if pub else None, ours[f"{metric}_mean"]
-            seeds = [ours[k] for k in ("n_seeds", "seeds", "missing_seeds")]
+            p = getattr(pub, metric) if pub else None
+            mean = ours[f"{metric}_mean"]
             row = (backbone, method, label, name, client, METRIC_LABELS[metric], mean, ours[f"{metric}_std"], *seeds)
             rows.append((*row, p, None if p is None else mean - p))
 
