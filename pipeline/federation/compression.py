@@ -81,7 +81,7 @@ def decode_state(
         if value.dtype == torch.int8:
             if key not in scales:
                 raise ValueError(f"encoded state: int8 tensor {key!r} has no {key + SCALE_SUFFIX!r}")
-            x = value.to(torch.float32) * torch.as_tensor(scales[key]).reshape(()).to(torch.float32)
+            x = value.to(torch.float32) * scales[key].reshape(()).to(torch.float32)
         elif value.dtype in (torch.float16, torch.float32):
             if key in scales:
                 raise ValueError(f"encoded state: {key!r} is {value.dtype} but has an int8 scale")
