@@ -1253,3 +1253,42 @@ def test_a_node_the_run_forgot_comes_back_for_the_evaluation_as_one_of_the_runs_
         "Product": 10.0,
     }
     assert fed["failed_clients"] == {}
+
+
+def test_a_node_failing_the_evaluation_of_a_plan_without_declared_clients_is_logged(ws, caplog):
+    """A plan older than its client list: the evaluation's clients are the names the replies give, so a node whose
+    summarize reply cannot be read leaves no declared client without a score. It is still named in the server's log
+    (before: in failed_clients only, no line, since the warning fired only for a declared client without a score)."""
+    import dataclasses
+    import logging
+
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+    from tests.errors import logs
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        name = context.node_config["client-name"]
+        values = {k: 10.0 for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0}
+        records = {"identity": ConfigRecord({"client-name": name}), "metrics": MetricRecord(values)}
+        kept = {k: v for k, v in records.items() if name != "Committee" or k != "identity"}
+        return Message(RecordDict(kept), reply_to=msg)
+
+    path = write_plan("dep-undeclared", "fedavg", rounds=2)
+    plan = dataclasses.replace(load_plan(path), clients=())
+    grid = InProcessGrid(app, [{"client-name": c, "plan": path} for c in ("Academic", "Committee", "Product")])
+    _set_server_identity(grid.run.run_id)
+    committee = next(n for n in grid.get_node_ids() if grid.contexts[n].node_config["client-name"] == "Committee")
+    with caplog.at_level(logging.INFO, logger="fedmeet"):
+        metrics = federated_evaluate(grid, plan, path, EvaluateConfig(), 5.0)
+    assert sorted(metrics["clients"]) == ["Academic", "Product"] and list(metrics["failed_clients"]) == [
+        f"node {committee}"
+    ]
+    logs([r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], f"node {committee}", "identity")

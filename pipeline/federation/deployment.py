@@ -138,7 +138,7 @@ def federated_evaluate(
     # up alike; a plan without declared clients: names as the clients gave them (the server holds no partition file).
     order = list(plan.clients) if plan.clients else sorted(received)
     skipped = {c: "no score: its node is gone or failed (failed_clients)" for c in order if c not in received}
-    if skipped:  # the client average is over the others
+    if skipped or failed:  # the client average is over the others; a failed node is named even when its client is not
         log.warning("%s: federated evaluation: no score of %s (failed: %s)", plan.experiment, sorted(skipped), failed)
     skipped |= {c: "no test examples on the client" for c in order if c in received and received[c] is None}
     per_client = {c: received[c] for c in order if received.get(c) is not None}
