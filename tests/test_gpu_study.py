@@ -878,6 +878,25 @@ def test_an_import_cut_before_a_runs_records_are_logged_is_imported_again(tmp_pa
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+def test_a_reimport_keeps_an_untagged_run_imported_from_another_folder(tmp_path, monkeypatch):
+    """The orphan clean-up deletes only the untagged runs of this import's own folder: a run of the experiment
+    imported from elsewhere without the record tag (one imported before the tag existed) is no orphan of this import
+    and stays in the store (before: deleted with every untagged imported run of the experiment)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.results.tracking import experiment_id
+
+    exp, dest, uri = _imported_call(tmp_path, monkeypatch)
+    study = json.loads((dest / "runs" / exp / "experiment.json").read_text())["study"]
+    client = MlflowClient(tracking_uri=uri)
+    tags = {"experiment": exp, "imported_from": str(tmp_path / "an-earlier-call")}
+    legacy = client.create_run(experiment_id(study), tags=tags).info.run_id
+    client.set_terminated(legacy, "FINISHED")
+    (run_id,) = importer.log_runs(dest, "gpu")
+    runs = client.search_runs([experiment_id(study)], f"tags.experiment = '{exp}'")
+    assert sorted(r.info.run_id for r in runs) == sorted([legacy, run_id])
+
+
 @pytest.mark.parametrize("cut_at", ["artifacts", "tag"], ids=["mid-artifacts", "after-finish"])
 def test_a_reimport_after_a_cut_import_leaves_one_run_of_the_record_not_an_orphan_beside_it(
     tmp_path, monkeypatch, cut_at

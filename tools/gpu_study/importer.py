@@ -123,10 +123,10 @@ def log_runs(dest: Path, device: str) -> list[str]:
         found = find_runs(exp_id, f"tags.`{IMPORTED}` = '{record}'")
         tags = found[0].data.tags if found else {}
         if not found:
-            # a run an import was cut in (imported, no record tag: not all in) is deleted with its clients' runs and
-            # logged anew, not left beside the new one
+            # a run an import of these files was cut in (imported from here, no record tag: not all in) is deleted
+            # with its clients' runs and logged anew, not left beside the new one; runs imported from elsewhere stay
             for run in find_runs(exp_id, f"tags.experiment = '{plan.experiment}' and tags.imported_from LIKE '%'"):
-                if IMPORTED not in run.data.tags:
+                if IMPORTED not in run.data.tags and run.data.tags["imported_from"] == str(dest):
                     delete_run(run.info.run_id)
             logger = RunLogger.start(
                 plan.study,
