@@ -555,6 +555,20 @@ def test_a_malformed_protocol_reply_is_that_clients_loss_not_the_end_of_the_run(
             names(committee["secagg_error"], "SecAgg+ unmask: ", problem)
 
 
+def test_a_share_of_the_right_form_but_wrong_halts_the_round_not_the_run(caplog):
+    """Committee's unmask reply holds a bytes share for each node it should, each 10 bytes instead of 4 + 16 k:
+    Shamir's combine raises (ValueError) inside Flower's unmask step, which cannot tell whose share was wrong, and
+    ended the run. Now the round halts as when too few shares came: nothing released (the global stays), every
+    sampled client failed with one line naming the SecAgg+ unmask failure."""
+    released, rows, log, _ = _round_with_committee("unmask", _replace("shares", lambda v: [b"x" * 10] * len(v)), caplog)
+    assert released is None
+    for client in CLIENTS.values():
+        assert rows[client]["failed"] == 1
+        names(rows[client]["error"], "SecAgg+ could not unmask the sum: ValueError")
+        logs(log, "round 3", client, "SecAgg+ could not unmask the sum: ValueError")
+    assert len(log) == 3
+
+
 # ------------------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize(
     "method,why",

@@ -248,12 +248,21 @@ class _Workflow(SecAggPlusWorkflow):
     a KeyError). Exact: a client masks only with the neighbours whose shares it received."""
 
     def setup_stage(self, grid, context, state):
-        self.state = state
+        self.state, self.unmask_error = state, None
         return super().setup_stage(grid, context, state)
 
     def collect_masked_vectors_stage(self, grid, context, state):
         state.sampled_node_ids = set(state.active_node_ids)  # those whose shares went out in the share-keys stage
         return super().collect_masked_vectors_stage(grid, context, state)
+
+    def unmask_stage(self, grid, context, state):
+        """A share or public key of the right form but wrong (Shamir's combine, the key loading, the mask's seed
+        raise) halts the round: whose it was, the server cannot tell."""
+        try:
+            return super().unmask_stage(grid, context, state)
+        except Exception as exc:  # every input of the unmasking is the clients' (shares, public keys)
+            self.unmask_error = f"SecAgg+ could not unmask the sum: {type(exc).__name__}: {' '.join(str(exc).split())}"
+            return False
 
 
 class SecureAggregator:
@@ -293,7 +302,7 @@ class SecureAggregator:
         # the workflow always runs its setup stage, which keeps the round's state
         out = SecureRound(None, observed.nodes, in_sum, workflow.state.threshold, workflow.state.num_shares)
         if strategy.mean is None:
-            out.halted = (
+            out.halted = workflow.unmask_error or (
                 f"SecAgg+ could not unmask the sum: {len(in_sum)} of {len(messages)} sampled clients "
                 f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares"
             )
