@@ -22,7 +22,7 @@ import pytest
 from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.experiments.privacy import PrivacyConfig, SecAggConfig
-from tests.errors import names
+from tests.errors import logs, names
 from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
 from tests.test_privacy import _params, _write_plan
 
@@ -431,6 +431,142 @@ def test_a_killed_secure_run_resumes_to_the_uninterrupted_result(ws, monkeypatch
     for client in a:
         for k in a[client]:
             np.testing.assert_array_equal(a[client][k].numpy(), b[client][k].numpy())
+
+
+# ------------------------------------------------------------------------------------------ malformed replies
+def _configs(content):
+    return content.config_records["secaggplus_configs"]
+
+
+def _replace(key: str, value):
+    """A reply whose protocol value ``key`` is ``value(the value sent)``."""
+    return lambda c: _configs(c).__setitem__(key, value(_configs(c)[key]))
+
+
+def _as_float(masked: list[bytes]) -> list[bytes]:
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+
+    return [ndarray_to_bytes(bytes_to_ndarray(b).astype(np.float64)) for b in masked]
+
+
+UPLOADS = {1000: 0.5, 1001: 3.0, 1002: 1.25}  # node -> its update's first coordinate (then + 0.25, + 0.5)
+WEIGHTS = {1000: 1, 1001: 2, 1002: 3}
+CLIENTS = {1000: "Academic", 1001: "Committee", 1002: "Product"}
+
+
+def _round_with_committee(stage: str, corrupt, caplog):
+    """One SecAgg+ round of the real workflow and mod over the in-process grid, Committee's reply of ``stage``
+    changed by ``corrupt`` (a non-genuine client: Flower's mod never sends it so), through the server's
+    _train_secure: (what it released, the clients' rows, the federation log, the SecAgg+ scale)."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
+    from pipeline.federation.server_app import _Round, _train_secure
+    from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
+    from tests.test_server_loop import _secure_metrics, _secure_rows, logged
+
+    def local(msg, context):
+        node = context.node_id
+        arrays = ArrayRecord({"w": Array(np.float32(UPLOADS[node]) + np.arange(3, dtype=np.float32) / 4)})
+        metrics = {k: v for k, v in _secure_metrics(WEIGHTS[node]).items() if k != "secagg-clipped"}
+        return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=msg)
+
+    app = ClientApp(mods=[secure_aggregation_mod])
+    app.train()(lambda msg, context: legacy_fit(msg, context, local))
+    grid = InProcessGrid(app, [{"client-name": c} for c in CLIENTS.values()])
+    _set_server_identity(grid.run.run_id)
+    send = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+        messages = list(messages)
+        replies = list(send(messages, timeout=timeout))
+        if str(_configs(messages[0].content)["stage"]) == stage:
+            corrupt(next(r for r in replies if r.metadata.src_node_id == 1001).content)
+        return replies
+
+    grid.send_and_receive = send_and_receive
+    global_ = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
+    msgs = [
+        Message(RecordDict({ARRAYS_KEY: global_, CONFIG_KEY: ConfigRecord({})}), dst_node_id=n, message_type="train")
+        for n in CLIENTS
+    ]
+    rows = _secure_rows(CLIENTS.values())
+    secure = SecureAggregator(SecAggConfig(), max_weight=3, timeout=5.0)
+    np.random.seed(0)  # Flower's stochastic rounding draws from numpy's global generator
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        released = _train_secure(secure, _Round(grid, None, 3, rows, CLIENTS, 5.0), msgs)
+    return released, rows, logged(caplog), secure.scale
+
+
+@pytest.mark.parametrize(
+    "stage, corrupt, summed, problem",
+    [  # summed: Committee's masked vector is in the sum (whole), else it is lost in ``stage`` as a dropped client
+        ("setup", lambda c: _configs(c).pop("pk1"), False, "pk1"),
+        ("setup", _replace("pk1", lambda _: 5), False, "not bytes"),
+        ("share_keys", _replace("ctxts", lambda v: list(v)[:-1]), False, "shorter"),
+        ("share_keys", _replace("ctxts", lambda v: [1] * len(v)), False, "not bytes"),
+        ("collect_masked_vectors", lambda c: _configs(c).pop("masked_params"), False, "masked_params"),
+        ("collect_masked_vectors", _replace("masked_params", lambda v: list(v)[:1]), False, "shapes"),
+        ("collect_masked_vectors", _replace("masked_params", lambda v: [b""] * len(v)), False, "EOFError"),
+        ("collect_masked_vectors", _replace("masked_params", _as_float), False, "float64"),
+        # the FitRes parts beside the masked vector: Flower converts them, the server never reads them (the
+        # unmasked sum replaces FitRes.parameters; the weight is in the vector; the metrics are fitres.metrics)
+        ("collect_masked_vectors", lambda c: c.metric_records.pop("fitres.num_examples"), True, None),
+        ("collect_masked_vectors", lambda c: c.array_records.pop("fitres.parameters"), True, None),
+        ("collect_masked_vectors", lambda c: c.config_records.pop("fitres.status"), True, None),
+        ("unmask", lambda c: _configs(c).pop("nids"), True, "nids"),
+        ("unmask", _replace("nids", lambda v: [77] * len(v)), True, "[77"),
+        ("unmask", _replace("shares", lambda v: list(v)[:-1]), True, "shorter"),
+        ("unmask", _replace("shares", lambda v: [1] * len(v)), True, "not bytes"),
+    ],
+)
+def test_a_malformed_protocol_reply_is_that_clients_loss_not_the_end_of_the_run(
+    caplog, stage, corrupt, summed, problem
+):
+    """Before, Flower's workflow raised on each of these (KeyError, IndexError, EOFError, ValueError from a strict zip,
+    TypeError building the next stage's ConfigRecord or reducing a float vector modulo an integer) and ended the
+    server's run. Now the round goes on without what cannot be read: a reply before the masked vector, or the vector
+    itself, makes Committee a client dropped in that stage (one line naming the stage and the problem) and the
+    others' mean is released; an unmask reply is set aside, the others' shares unmask the sum of all three. The
+    released mean against numpy's weighted mean of the uploads, within the quantisation bound."""
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound
+
+    released, rows, log, scale = _round_with_committee(stage, corrupt, caplog)
+    in_sum = list(CLIENTS) if summed else [1000, 1002]
+    uploads = [np.float64(UPLOADS[n]) + np.arange(3) / 4 for n in in_sum]
+    expected = np.average(uploads, axis=0, weights=[WEIGHTS[n] for n in in_sum])
+    bound = aggregation_error_bound([WEIGHTS[n] for n in in_sum], scale, SecAggConfig(), 3.5)
+    assert np.abs(released["w"].numpy() - expected).max() <= bound
+    assert rows["Academic"]["failed"] == rows["Product"]["failed"] == 0
+    committee = rows["Committee"]
+    if not summed:
+        assert committee["failed"] == 1 and "weight" not in committee
+        names(committee["error"], f"SecAgg+ {stage}: ", problem)
+        assert len(log) == 2  # Committee left out, and the sum of 2 of the 3
+        logs(log, "round 3", "Committee", stage, problem)
+    else:
+        assert committee["failed"] == 0 and committee["weight"] == 2 and "error" not in committee
+        if problem is None:
+            assert "secagg_error" not in committee and log == []
+        else:  # its masked vector is in the sum: the row says why its shares were not used
+            names(committee["secagg_error"], "SecAgg+ unmask: ", problem)
+
+
+def test_a_share_of_the_right_form_but_wrong_halts_the_round_not_the_run(caplog):
+    """Committee's unmask reply holds a bytes share for each node it should, each 10 bytes instead of 4 + 16 k:
+    Shamir's combine raises (ValueError) inside Flower's unmask step, which cannot tell whose share was wrong, and
+    ended the run. Now the round halts as when too few shares came: nothing released (the global stays), every
+    sampled client failed with one line naming the SecAgg+ unmask failure."""
+    released, rows, log, _ = _round_with_committee("unmask", _replace("shares", lambda v: [b"x" * 10] * len(v)), caplog)
+    assert released is None
+    for client in CLIENTS.values():
+        assert rows[client]["failed"] == 1
+        names(rows[client]["error"], "SecAgg+ could not unmask the sum: ValueError")
+        logs(log, "round 3", client, "SecAgg+ could not unmask the sum: ValueError")
+    assert len(log) == 3
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
-from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitIns, FitRes, Status, bytes_to_ndarray, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
@@ -161,11 +161,43 @@ def _wire_bytes(content: RecordDict) -> int:
 
 
 class _ObservedGrid(GridView):
-    """Passes the workflow's messages on, noting per node what each stage sent, received and failed."""
+    """Passes the workflow's messages on, noting per node what each stage sent, received and failed; a reply Flower's
+    workflow cannot take (it would raise inside it, ending the run) is that client's failure in its stage, to Flower
+    a client lost there. ``vector``: the masked vector's arrays' shapes (Flower's weight factor, then the upload's)."""
 
-    def __init__(self, grid: Grid):
+    def __init__(self, grid: Grid, vector: list[tuple[int, ...]], workflow: _Workflow):
         super().__init__(grid)
         self.nodes: dict[int, NodeOutcome] = {}
+        self.vector, self.workflow = vector, workflow
+
+    def _unreadable(self, stage: str, content: RecordDict) -> str | None:
+        """Why Flower 1.41's workflow cannot take a client's reply of ``stage``, or None: the keys it reads there, the
+        lists it zips of equal length, bytes where it forwards or decodes them (into a ConfigRecord of bytes, Shamir's
+        combine), the masked vector integer arrays of the upload's shapes (it sums them modulo an integer), shares
+        of nodes whose shares it collects (the round's keyed ones)."""
+        try:
+            c = content.config_records[RECORD_KEY_CONFIGS]
+            if stage == Stage.SETUP:
+                blobs = [c[Key.PUBLIC_KEY_1], c[Key.PUBLIC_KEY_2]]
+            elif stage == Stage.SHARE_KEYS:
+                blobs = [b for _, b in zip(c[Key.DESTINATION_LIST], c[Key.CIPHERTEXT_LIST], strict=True)]
+            elif stage == Stage.COLLECT_MASKED_VECTORS:
+                blobs = list(c[Key.MASKED_PARAMETERS])
+            else:
+                shares = list(zip(c[Key.NODE_ID_LIST], c[Key.SHARE_LIST], strict=True))
+                if odd := [n for n, _ in shares if n not in self.workflow.state.sampled_node_ids]:
+                    return f"it holds shares of nodes outside the round: {odd[:4]}"
+                blobs = [b for _, b in shares]
+            if not all(isinstance(b, bytes) for b in blobs):
+                return f"it holds a {stage} value that is not bytes"
+            if stage == Stage.COLLECT_MASKED_VECTORS:
+                arrays = [bytes_to_ndarray(b) for b in blobs]
+                if [a.shape for a in arrays] != self.vector or any(a.dtype.kind not in "iu" for a in arrays):
+                    got = [f"{a.dtype}{list(a.shape)}" for a in arrays[:4]]
+                    return f"its masked vector {got} is not integer arrays of the shapes {self.vector[:4]}"
+        except (KeyError, TypeError, ValueError, EOFError) as exc:  # np.load: EOFError on empty bytes
+            return f"its reply cannot be read: {exc!r}"
+        return None
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
@@ -175,16 +207,22 @@ class _ObservedGrid(GridView):
         replies = replies_by_node(self._grid, messages, timeout)
         for node, outcome in ((node, self.nodes[node]) for node in stage):
             r = replies.get(node)
-            if r is not None and not r.has_error():
+            bad = None if r is None or r.has_error() else self._unreadable(stage[node], r.content)
+            if r is not None and not r.has_error() and bad is None:
                 outcome.bytes_up += _wire_bytes(r.content)
                 if stage[node] == Stage.COLLECT_MASKED_VECTORS:
                     # its vector is in the sum; metrics missing or malformed are _train_secure's to refuse (it
-                    # halts the round), not a KeyError here or a TypeError in Flower's FitRes (whose are unread)
-                    outcome.metrics = dict(r.content.config_records.pop("fitres.metrics", {}))
-                    r.content.config_records["fitres.metrics"] = ConfigRecord()
+                    # halts the round); Flower converts the FitRes parts (a KeyError when one is missing) that no
+                    # one reads (_Offer takes the unmasked sum, the weight is in the vector): it gets blank ones
+                    outcome.metrics = dict(r.content.config_records.get("fitres.metrics", {}))
+                    r.content["fitres.parameters"], r.content["fitres.metrics"] = ArrayRecord(), ConfigRecord()
+                    r.content["fitres.num_examples"] = MetricRecord({"num_examples": 0})
+                    r.content["fitres.status"] = ConfigRecord({"code": Code.OK.value, "message": ""})
             elif outcome.failed_stage is None:  # the first stage it failed in, or did not answer in time in
                 outcome.failed_stage = stage[node]
-                outcome.error = error_line(r) if r is not None else f"no reply within {timeout}s"
+                outcome.error = bad or (error_line(r) if r is not None else f"no reply within {timeout}s")
+            if bad is not None:
+                del replies[node]
         return list(replies.values())
 
 
@@ -210,12 +248,21 @@ class _Workflow(SecAggPlusWorkflow):
     a KeyError). Exact: a client masks only with the neighbours whose shares it received."""
 
     def setup_stage(self, grid, context, state):
-        self.state = state
+        self.state, self.unmask_error = state, None
         return super().setup_stage(grid, context, state)
 
     def collect_masked_vectors_stage(self, grid, context, state):
         state.sampled_node_ids = set(state.active_node_ids)  # those whose shares went out in the share-keys stage
         return super().collect_masked_vectors_stage(grid, context, state)
+
+    def unmask_stage(self, grid, context, state):
+        """A share or public key of the right form but wrong (Shamir's combine, the key loading, the mask's seed
+        raise) halts the round: whose it was, the server cannot tell."""
+        try:
+            return super().unmask_stage(grid, context, state)
+        except Exception as exc:  # every input of the unmasking is the clients' (shares, public keys)
+            self.unmask_error = f"SecAgg+ could not unmask the sum: {type(exc).__name__}: {' '.join(str(exc).split())}"
+            return False
 
 
 class SecureAggregator:
@@ -234,7 +281,6 @@ class SecureAggregator:
             fit_ins = FitIns(compat.arrayrecord_to_parameters(m.content[ARRAYS_KEY], keep_input=True), config)
             offers.append((GridClientProxy(m.metadata.dst_node_id, grid, run_id), fit_ins))
         strategy = _Offer(offers)
-        observed = _ObservedGrid(grid)
         server = Context(run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(), run_config={})
         context = LegacyContext(server, strategy=strategy, client_manager=SimpleClientManager())
         context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
@@ -248,13 +294,15 @@ class SecureAggregator:
             modulus_range=SECAGG_MODULUS,
             timeout=self.timeout,
         )
+        shapes = [tuple(messages[0].content[ARRAYS_KEY][k].shape) for k in keys] if messages else []
+        observed = _ObservedGrid(grid, [(1,), *shapes, *[(1,)] * self.clipped_bits], workflow)
         workflow(observed, context)
 
         in_sum = {n for n, o in observed.nodes.items() if o.metrics is not None}
         # the workflow always runs its setup stage, which keeps the round's state
         out = SecureRound(None, observed.nodes, in_sum, workflow.state.threshold, workflow.state.num_shares)
         if strategy.mean is None:
-            out.halted = (
+            out.halted = workflow.unmask_error or (
                 f"SecAgg+ could not unmask the sum: {len(in_sum)} of {len(messages)} sampled clients "
                 f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares"
             )
