@@ -425,6 +425,14 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
         ("report", ["claims", "study", "README.md"], "tau", 0, r"tau=0 is out of range; allowed: > 0"),
         # params' privacy group (Experiment.privacy_config), and the plans' SecAgg+ check (check_client_plans)
         ("plan", [], "privacy.mode", "bogus", r"privacy.mode='bogus' is out of range; allowed: one of 'none'"),
+        # an entry's own privacy mapping: its line named no file at all
+        (
+            "plan",
+            [],
+            "experiments.fedavg-domain.privacy",
+            {"mode": "bogus"},
+            r"experiments.fedavg-domain privacy.mode='bogus' is out of range; allowed: one of 'none'",
+        ),
         (
             "plan",
             [],

@@ -80,7 +80,7 @@ class Experiment:
         if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
             merged["secagg"] = {**base["secagg"], **self.privacy["secagg"]}
         return from_dict(
-            PrivacyConfig, merged, f"experiments.{self.name} privacy" if self.privacy else f"{file} privacy"
+            PrivacyConfig, merged, f"{file} experiments.{self.name} privacy" if self.privacy else f"{file} privacy"
         )
 
 
