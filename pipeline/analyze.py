@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     with stage_timer("analyze"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
-        result = Analysis(cfg, declared(params, str(args.params)), PATHS).run()
+        result = Analysis(cfg, declared(params, str(args.params)), PATHS, str(args.params)).run()
         for client, rec in result["clients"].items():
             p, r = rec["paper_kd_usage_ratio"], rec["kd_usage_ratio"]  # r null: no word update in rounds 1..best
             paper_text = f" (paper {100 * p:.0f} %)" if p is not None else ""

@@ -27,9 +27,9 @@ from pipeline.paths import PATHS
 from pipeline.results.scoring import rouge_summary
 
 
-def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
+def load_config(params: dict[str, Any], file: str = "params.yaml") -> tuple[BackboneConfig, str]:
     cfg = from_dict(BackboneConfig, params.get("backbone"), "backbone")
-    ingested = group(params, "ingest").get("datasets") or []
+    ingested = group(params, "ingest", file).get("datasets") or []
     if cfg.warmup.dataset not in ingested:  # its records: data/interim/<dataset>.parquet, written by stage ingest
         raise ConfigError(
             f"backbone.warmup.dataset={cfg.warmup.dataset!r} is not ingested; allowed: one of ingest.datasets {ingested}"
@@ -43,7 +43,7 @@ def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
             f"backbone.warmup.dataset={cfg.warmup.dataset!r} trains on meetings that {others} test on (QMSum's "
             "Product meetings are AMI's, its Academic ones ICSI's): warm up on a corpus that shares none (samsum)"
         )
-    if not isinstance(sep_token := group(params, "examples").get("sep_token", "#SEP#"), str):
+    if not isinstance(sep_token := group(params, "examples", file).get("sep_token", "#SEP#"), str):
         raise ConfigError(f"examples.sep_token: expected a string, got {sep_token!r} (quote it in YAML: '#SEP#')")
     return cfg, sep_token
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--interim-dir", type=Path, default=PATHS.interim_dir)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg, sep_token = load_config(load_params(args.params))
+    cfg, sep_token = load_config(load_params(args.params), args.params)
     if args.name:
         cfg.name = args.name
     if args.steps is not None:

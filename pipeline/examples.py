@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = from_dict(ExamplesConfig, params.get("examples"), "examples")
         # The names only (the ingest stage checked them against the readers): reading them through
         # pipeline.datasets.sources would put every reader module into this stage's deps, and the backbone's.
-        datasets = group(params, "ingest").get("datasets")
+        datasets = group(params, "ingest", args.params).get("datasets")
         if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
-            raise ConfigError(f"params.yaml ingest.datasets: expected a list of dataset names, got {datasets!r}")
+            raise ConfigError(f"{args.params} ingest.datasets: expected a list of dataset names, got {datasets!r}")
         interim = {ds: pd.read_parquet(Path(args.interim_dir) / f"{ds}.parquet") for ds in datasets}
         examples, link_report = build_examples(interim, cfg)
         report_dir = Path(args.report_dir)

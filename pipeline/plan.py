@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(PATHS.plans))
     args = ap.parse_args(argv)
     plans = check_params(load_params(args.params), args.params)
-    check_client_plans(plans)  # privacy.mode client needs only the plan's clients: checked now
+    check_client_plans(plans, args.params)  # privacy.mode client needs only the plan's clients: checked now
     written = write_plans(plans, Path(args.out))
     print(f"plan: wrote {len(written)} plan(s) to {args.out}")
 

@@ -71,7 +71,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
     if exp.scheme not in SCHEMES:
         raise ConfigError(f"{where}.partition: unknown partition scheme {exp.scheme!r}; allowed: {sorted(SCHEMES)}")
     method = get_method(exp.method)
-    resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
+    resolved = exp.privacy_config(params, file)  # checks the entry's privacy keys and values
     if exp.privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
         raise ConfigError(
             f"{where}.{PRIVACY_KEY}: method {method.name!r} sends nothing (privacy applies to federated methods)"
@@ -159,7 +159,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.ya
         plan["tau"] = exp.tau
         # the loss's own check of tau against train.tau_scale, at plan time rather than in training
         from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale, "kd_gate": train.kd_gate}, where)
-    privacy = exp.privacy_config(params)
+    privacy = exp.privacy_config(params, file)
     if privacy.mode == "client" and (problem := client_level_problem(method, train.transfer_dtype, privacy)):
         raise ConfigError(f"{where}: privacy.mode client: {problem}")
     if privacy.secure_aggregation and (refusal := secure_aggregation_refusal(method, train.transfer_dtype, privacy)):

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         params = load_params(args.params)
         cfg = from_dict(PostagConfig, params.get("postag"), "postag")
         # the group's model keys (its cache keys are planning's to check)
-        model = {k: v for k, v in group(params, "model").items() if k in MODEL_RESULT_KEYS}
+        model = {k: v for k, v in group(params, "model", str(args.params)).items() if k in MODEL_RESULT_KEYS}
         max_target_length = from_dict(ModelConfig, model, "model").max_target_length
         write_target_tags(cfg, args.examples, args.backbone, args.out, args.report, max_target_length)
 

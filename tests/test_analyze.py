@@ -468,8 +468,9 @@ def test_a_margin_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch):
         ),
     ],
 )
+@pytest.mark.parametrize("file", ["params.yaml", "study/params.yaml"])  # the latter: the stage's --params
 def test_a_params_file_the_analysis_refuses_is_one_error_line_not_a_traceback(
-    tmp_path, monkeypatch, capsys, extra, says
+    tmp_path, monkeypatch, capsys, extra, says, file
 ):
     from pipeline.common.cli import run
 
@@ -479,10 +480,11 @@ def test_a_params_file_the_analysis_refuses_is_one_error_line_not_a_traceback(
     (tmp_path / "data/processed").mkdir(parents=True)
     postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
     run0 = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"tau": 5.0, "experiments": {"sel_s0": run0} | extra}))
-    assert run(analyze.main, []) == 2
+    (tmp_path / file).parent.mkdir(exist_ok=True)
+    (tmp_path / file).write_text(yaml.safe_dump({"tau": 5.0, "experiments": {"sel_s0": run0} | extra}))
+    assert run(analyze.main, ["--params", file]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: params.yaml") and says in err[0]
+    assert len(err) == 1 and err[0].startswith(f"error: {file}") and says in err[0]
 
 
 def test_main_runs_whose_entropies_are_in_different_units_are_refused_not_pooled(tmp_path, monkeypatch, capsys):

@@ -204,4 +204,4 @@ def test_a_model_group_that_is_not_a_mapping_is_one_error_line_not_a_traceback(t
     args = ["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "p.parquet")]
     assert run_cli(postag.main, [*args, "--report", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: params.yaml model: expected a mapping"), err
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'params.yaml'} model: expected a mapping"), err

@@ -423,6 +423,36 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
         ),
         # the claims command reads the study folder's params.yaml (no --params)
         ("report", ["claims", "study", "README.md"], "tau", 0, r"tau=0 is out of range; allowed: > 0"),
+        # params' privacy group (Experiment.privacy_config), and the plans' SecAgg+ check (check_client_plans)
+        ("plan", [], "privacy.mode", "bogus", r"privacy.mode='bogus' is out of range; allowed: one of 'none'"),
+        # an entry's own privacy mapping: its line named no file at all
+        (
+            "plan",
+            [],
+            "experiments.fedavg-domain.privacy",
+            {"mode": "bogus"},
+            r"experiments.fedavg-domain privacy.mode='bogus' is out of range; allowed: one of 'none'",
+        ),
+        (
+            "plan",
+            [],
+            "experiments.fedavg-domain.privacy",
+            {"secure_aggregation": True, "secagg": {"reconstruction_threshold": 5}},
+            r"experiments.fedavg-domain: privacy.secagg.reconstruction_threshold 5 > the 3 clients of a round's sum",
+        ),
+        # FedAvg in the tau sweep reads no tau (Analysis.tau_sweep)
+        (
+            "analyze",
+            [],
+            "experiments.fedavg-domain.study",
+            "tau_sweep",
+            r"experiments.fedavg-domain: a tau-sweep experiment needs a tau",
+        ),
+        ("examples", [], "ingest.datasets", "qmsum", r"ingest.datasets: expected a list of dataset names, got 'qmsum'"),
+        ("examples", [], "ingest", [5], r"ingest: expected a mapping of keys, got list \[5\]"),
+        ("backbone", [], "ingest", [5], r"ingest: expected a mapping of keys, got list \[5\]"),
+        ("backbone", [], "examples", [5], r"examples: expected a mapping of keys, got list \[5\]"),
+        ("postag", [], "model", [5], r"model: expected a mapping of keys, got list \[5\]"),
     ],
 )
 def test_a_bad_key_of_a_params_file_elsewhere_is_named_in_that_file(

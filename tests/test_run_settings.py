@@ -88,6 +88,22 @@ def test_run_settings_come_from_the_named_file_and_a_missing_file_is_an_error(tm
     assert RunSettings().cache == CacheConfig()
 
 
+@pytest.mark.parametrize(
+    "group, key, value, problem",
+    [
+        ("train", "round_timeout_s", -5, "train.round_timeout_s=-5 is out of range; allowed: > 0"),
+        ("model", "cache_max_gb", -1, "model.cache_max_gb=-1 is out of range; allowed: >= 0"),
+    ],
+)
+def test_a_bad_run_setting_is_named_in_the_file_it_came_from(tmp_path, group, key, value, problem):
+    # the train stage's and the federation commands' --params (a site's file): the line named ./params.yaml
+    (params := tmp_path / "study" / "site.yaml").parent.mkdir()
+    params.write_text(yaml.safe_dump({group: {key: value}}))
+    with pytest.raises(ConfigError) as err:
+        load_run_settings(params)
+    assert str(err.value) == f"{params} {problem}"
+
+
 def _calls(path: Path, name: str) -> bool:
     tree = ast.parse(path.read_text())
     return any(

@@ -73,14 +73,14 @@ class Experiment:
         """The entry's train overrides as text, e.g. "fraction_train=0.67" ("" when none)."""
         return ",".join(f"{k}={self.train[k]}" for k in sorted(self.train))
 
-    def privacy_config(self, params: dict[str, Any]) -> PrivacyConfig:
-        """params `privacy` with this entry's overrides (`secagg` merged key by key)."""
-        base = group(params, "privacy")
+    def privacy_config(self, params: dict[str, Any], file: str = "params.yaml") -> PrivacyConfig:
+        """params `privacy` (of the params ``file``) with this entry's overrides (`secagg` merged key by key)."""
+        base = group(params, "privacy", file)
         merged = {**base, **self.privacy}
         if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
             merged["secagg"] = {**base["secagg"], **self.privacy["secagg"]}
         return from_dict(
-            PrivacyConfig, merged, f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy"
+            PrivacyConfig, merged, f"{file} experiments.{self.name} privacy" if self.privacy else f"{file} privacy"
         )
 
 

@@ -35,19 +35,19 @@ RUN_TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(RunSettings) if f.name
 RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 
 
-def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
-    """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g.
+def run_settings(params: dict[str, Any], experiment: str | None = None, file: str = "params.yaml") -> RunSettings:
+    """The run-time settings of the params ``file``, with ``experiment``'s own overrides of them (e.g.
     ``round_timeout_s``)."""
-    train = dict(group(params, "train"))
+    train = dict(group(params, "train", file))
     if experiment is not None:
         train.update((params.get("experiments") or {}).get(experiment) or {})
-    model = group(params, "model")
-    cache = from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, "params.yaml model")
+    model = group(params, "model", file)
+    cache = from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, f"{file} model")
     settings = {k: train[k] for k in RUN_TRAIN_KEYS if k in train} | {"cache": cache}
-    return from_dict(RunSettings, settings, "params.yaml train")
+    return from_dict(RunSettings, settings, f"{file} train")
 
 
 def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
     """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; the
     federation commands: their ``--params``). A missing file is an error (load_params'), never the defaults."""
-    return run_settings(load_params(params_path), experiment)
+    return run_settings(load_params(params_path), experiment, str(params_path))

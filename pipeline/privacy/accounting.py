@@ -134,7 +134,7 @@ def secure_sum_problem(secagg: SecAggConfig, clients: int, first: int, fraction_
     return wrap_problem(secagg, clients)
 
 
-def check_client_plans(plans: dict[str, dict]) -> None:
+def check_client_plans(plans: dict[str, dict], file: str = "params.yaml") -> None:
     """:func:`federation_privacy` of each privacy.mode client plan and :func:`secure_sum_problem` of each SecAgg+ plan
     (resolved, not yet written: the plan stage's and `presets check`'s): they need only the plan's clients (N),
     train.fraction_train and rounds."""
@@ -142,7 +142,7 @@ def check_client_plans(plans: dict[str, dict]) -> None:
         privacy = plan.get("privacy", {})
         if privacy.get("mode") != "client" and not privacy.get("secure_aggregation"):
             continue  # neither setting: nothing here to check (its privacy group was checked when it was resolved)
-        clients, t, where = plan.get("clients", []), plan["train"], f"params.yaml experiments.{plan['experiment']}"
+        clients, t, where = plan.get("clients", []), plan["train"], f"{file} experiments.{plan['experiment']}"
         cfg, n = from_dict(PrivacyConfig, privacy, where), len(clients)
         first = len([c for c in clients if c != t.get("new_client")])  # post_addition's new client joins late
         if cfg.secure_aggregation and (problem := secure_sum_problem(cfg.secagg, n, first, t["fraction_train"])):

@@ -42,8 +42,10 @@ class AnalyzeConfig:
 
 
 class Analysis:
-    def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], paths: ProjectPaths):
-        self.cfg, self.experiments, self.paths = cfg, experiments, paths
+    def __init__(
+        self, cfg: AnalyzeConfig, experiments: list[Experiment], paths: ProjectPaths, file: str = "params.yaml"
+    ):
+        self.cfg, self.experiments, self.paths, self.file = cfg, experiments, paths, file  # file: the params read
         self.figures = paths.analysis / "figures"
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
         # kd_analysis.json, never replaced by numbers
@@ -94,7 +96,7 @@ class Analysis:
         # a client's runs are pooled: one tau, gate and unit of H(q_g) (5 bits is 5 ln 2 = 3.47 nats)
         setups = sorted({(e.tau, kd_analysis.gate_name(e), UNITS[e.entropy_log_base]) for e in runs})
         if len(setups) > 1:
-            raise ConfigError(f"params.yaml: the main-study SelectKD runs use different taus, gates or units: {setups}")
+            raise ConfigError(f"{self.file}: the main-study SelectKD runs use different taus, gates or units: {setups}")
         # a portable gate's tau (a share of ln|V|, a quantile) or a margin is no entropy: no H(q_g) < tau, no tau line
         tau, kind, unit = setups[0]  # unit: H(q_g)'s, an absolute tau's too
         tau = tau if kind == "absolute" else None
@@ -131,7 +133,7 @@ class Analysis:
         rows = []
         for e in sweep + [e for e in self.main if e.scheme in {s.scheme for s in sweep}]:
             if e.tau is None:
-                raise ConfigError(f"params.yaml experiments.{e.name}: a tau-sweep experiment needs a tau")
+                raise ConfigError(f"{self.file} experiments.{e.name}: a tau-sweep experiment needs a tau")
             usage = usages.get(e.name) or self.usage(e, "tau sweep")
             scores = self.scores(e, "tau sweep")
             if usage is not None and scores is not None:
