@@ -530,12 +530,14 @@ def test_main_runs_whose_entropies_are_in_different_units_are_refused_not_pooled
         (({"kd_gate": "margin"}, {"kd_gate": "margin", "tau_scale": "max_entropy"}), None),
     ],
 )
+@pytest.mark.parametrize("without_log", [False, True], ids=["logs", "second-without-gate-log"])
 def test_main_runs_with_different_gates_at_one_tau_are_refused_not_pooled(
-    tmp_path, monkeypatch, capsys, gates, refused
+    tmp_path, monkeypatch, capsys, gates, refused, without_log
 ):
     # A client's KD usage ratio is a mean over its main runs as seeds of one gate, its POS pattern and gate pass
     # fraction per round pool their decisions; main runs at different taus are refused, and so must be runs at one
-    # tau whose gates differ (the gates above decide on different quantities or thresholds), not pooled as one gate.
+    # tau whose gates differ (the gates above decide on different quantities or thresholds), not pooled as one gate;
+    # also when a run has no gate log (hard KD's comparison still averages its scores with the others' as seeds).
     from pipeline.common.cli import run
 
     monkeypatch.chdir(tmp_path)
@@ -546,6 +548,8 @@ def test_main_runs_with_different_gates_at_one_tau_are_refused_not_pooled(
     (tmp_path / "data/processed").mkdir(parents=True)
     postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"experiments": runs}))
+    if without_log:
+        (tmp_path / "models/sel_s1/gate_log.parquet").unlink()
     assert run(analyze.main, []) == (2 if refused else 0)
     err = capsys.readouterr().err.strip().splitlines()
     if refused:

@@ -86,17 +86,17 @@ class Analysis:
     def main_study(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], float | None, str | None]:
         """Usage ratio, POS distribution and gate statistics per client; also returns per-experiment usage and the
         runs' tau and its unit, nats or bits (None: none, or not an entropy threshold)."""
+        # a client's runs are pooled, here and in hardkd's seed means: one tau, gate and unit of H(q_g) (5 bits is
+        # 5 ln 2 = 3.47 nats), checked over the params' runs, whether their logs exist or not
+        setups = sorted({(e.tau, kd_analysis.gate_name(e), UNITS[e.entropy_log_base]) for e in self.main})
+        if len(setups) > 1:
+            raise ConfigError(f"{self.file}: the main-study SelectKD runs use different taus, gates or units: {setups}")
         usages = {e.name: u for e in self.main if (u := self.usage(e, "KD usage / POS analysis")) is not None}
         clients: dict[str, Any] = {}
         if not usages:
             return clients, usages, None, None
         all_words = pd.concat([u["words"].assign(experiment=n) for n, u in usages.items()])
         all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
-        runs = [e for e in self.main if e.name in usages]
-        # a client's runs are pooled: one tau, gate and unit of H(q_g) (5 bits is 5 ln 2 = 3.47 nats)
-        setups = sorted({(e.tau, kd_analysis.gate_name(e), UNITS[e.entropy_log_base]) for e in runs})
-        if len(setups) > 1:
-            raise ConfigError(f"{self.file}: the main-study SelectKD runs use different taus, gates or units: {setups}")
         # a portable gate's tau (a share of ln|V|, a quantile) or a margin is no entropy: no H(q_g) < tau, no tau line
         tau, kind, unit = setups[0]  # unit: H(q_g)'s, an absolute tau's too
         tau = tau if kind == "absolute" else None
