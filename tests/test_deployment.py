@@ -1020,8 +1020,12 @@ MALFORMED_SUMMARIES = {  # how Committee's summarize reply differs -> what faile
     "a score a list": ({"set": {"rouge2": [1.0, 2.0]}}, "'rouge2': [1.0, 2.0]"),
     "a count missing": ({"drop": "n_test"}, "'n_test': None"),
     "a count a list": ({"set": {"n": [4, 4]}}, "'n': [4, 4]"),
-    # a genuine client with test examples sends n (mean_scores' count)
+    # a genuine client sends n with its test examples (mean_scores' count), and finite ROUGE x 100 in [0, 100]
     "n missing, n_test 4": ({"drop": "n"}, "'n': None"),
+    "a score NaN": ({"set": {"rouge2": math.nan}}, "'rouge2': nan"),
+    "a score inf": ({"set": {"avg_rouge": math.inf}}, "'avg_rouge': inf"),
+    "a score over 100": ({"set": {"rougeL": 100.5}}, "'rougeL': 100.5"),
+    "a score below 0": ({"set": {"rouge1": -0.5}}, "'rouge1': -0.5"),
 }
 
 

@@ -64,8 +64,10 @@ log = logging.getLogger("fedmeet.deployment")
 
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
-# a summarize reply's metrics (protocol.metrics_row's spec): the client's scores and its evaluation counts
-SUMMARY_METRICS = {k: (k, float) for k in SCORE_KEYS} | {k: (k, int) for k in ("n", "n_test", "skipped_by_subsampling")}
+# a summarize reply's metrics (protocol.metrics_row's spec): its scores (ROUGE F1 x 100, in [0, 100]) and its counts
+SUMMARY_METRICS = {k: (k, float, 0, 100) for k in SCORE_KEYS} | {
+    k: (k, int) for k in ("n", "n_test", "skipped_by_subsampling")
+}
 ROUND_KEYS = ("clients", "skipped_clients", "mean", "failed_clients")  # rounds.json's: kept without MLflow too
 
 
