@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -183,8 +182,8 @@ def client_summarize(msg: Message, context: Context) -> Message:
         predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, f"{plan.experiment}/{name}")
         scores = Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
         metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
-    finite = MetricRecord({k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))})
-    return Message(RecordDict({"identity": ConfigRecord({"client-name": name}), METRICS_KEY: finite}), reply_to=msg)
+    records = {"identity": ConfigRecord({"client-name": name}), METRICS_KEY: MetricRecord(metrics)}
+    return Message(RecordDict(records), reply_to=msg)
 
 
 def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
