@@ -153,8 +153,7 @@ def federated_evaluate(
 
 def _summary(reply: Message) -> tuple[str, dict[str, Any] | None]:
     """A summarize reply's client and its scores as metrics.json's (None: no test examples, ``n`` 0, or no ``n`` and
-    ``n_test`` 0, client_summarize's reply without test ids); a reply without its records, or whose scores are not one
-    number each, raises ValueError saying so."""
+    ``n_test`` 0 as client_summarize sends it); a reply without its records or SUMMARY_METRICS raises ValueError."""
     name = reply.content.config_records.get("identity", {}).get("client-name")
     if name is None or (metrics := reply.content.metric_records.get(METRICS_KEY)) is None:
         raise ValueError(f"it lacks an identity ConfigRecord of a client-name or a MetricRecord {METRICS_KEY!r}")
