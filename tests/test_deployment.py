@@ -1020,6 +1020,12 @@ MALFORMED_SUMMARIES = {  # how Committee's summarize reply differs -> what faile
     "a score a list": ({"set": {"rouge2": [1.0, 2.0]}}, "'rouge2': [1.0, 2.0]"),
     "a count missing": ({"drop": "n_test"}, "'n_test': None"),
     "a count a list": ({"set": {"n": [4, 4]}}, "'n': [4, 4]"),
+    # a genuine client sends n with its test examples (mean_scores' count), and finite ROUGE x 100 in [0, 100]
+    "n missing, n_test 4": ({"drop": "n"}, "'n': None"),
+    "a score NaN": ({"set": {"rouge2": math.nan}}, "'rouge2': nan"),
+    "a score inf": ({"set": {"avg_rouge": math.inf}}, "'avg_rouge': inf"),
+    "a score over 100": ({"set": {"rougeL": 100.5}}, "'rougeL': 100.5"),
+    "a score below 0": ({"set": {"rouge1": -0.5}}, "'rouge1': -0.5"),
 }
 
 
@@ -1078,6 +1084,39 @@ def test_a_malformed_summarize_reply_fails_its_node_not_the_servers_run(ws, monk
         and problem in entry["failed_clients"][f"node {committee}"]
     )
     logs([r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], f"node {committee}", problem)
+
+
+def test_a_client_without_test_examples_is_skipped_not_failed_and_scores_0_and_100_are_counted(ws):
+    """client_summarize's reply for a client without test ids is {"n_test": 0} (no n, no scores): Committee is skipped
+    as having no test examples, no node failed; Academic's scores of 100 and Product's of 0 (ROUGE's bounds) count,
+    mean 50 by hand."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        name = context.node_config["client-name"]
+        values = {k: {"Academic": 100.0, "Product": 0.0}.get(name) for k in SCORE_KEYS}
+        values |= {"n": 4, "n_test": 4, "skipped_by_subsampling": 0} if name != "Committee" else {"n_test": 0}
+        metrics = MetricRecord({k: v for k, v in values.items() if v is not None})
+        identity = ConfigRecord({"client-name": name})
+        return Message(RecordDict({"identity": identity, "metrics": metrics}), reply_to=msg)
+
+    path = write_plan("dep-no-test-examples", "fedavg")
+    plan = load_plan(path)
+    grid = InProcessGrid(app, [{"client-name": c, "plan": path} for c in plan.clients])
+    _set_server_identity(grid.run.run_id)
+    fed = federated_evaluate(grid, plan, path, EvaluateConfig(), timeout=5)
+    assert {c: v["avg_rouge"] for c, v in fed["clients"].items()} == {"Academic": 100.0, "Product": 0.0}
+    assert fed["skipped_clients"] == {"Committee": "no test examples on the client"} and fed["failed_clients"] == {}
+    assert fed["mean"]["avg_rouge"] == pytest.approx(50.0)
 
 
 def test_a_federated_evaluation_reply_that_never_came_is_logged_naming_the_client_and_the_wait(ws, caplog):

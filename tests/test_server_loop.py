@@ -536,6 +536,36 @@ def test_client_side_clipping_leaves_out_a_reply_without_the_mods_mark_and_avera
     assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
 
 
+@pytest.mark.parametrize("value", [0.7, 2])
+@pytest.mark.parametrize("clipping, mark", [("fixed", "dp-update-clipped"), ("adaptive", "norm_bit")])
+def test_a_clipping_mark_other_than_0_or_1_is_its_clients_malformed_reply(ws, caplog, clipping, mark, value):
+    """Client-side clipping: Flower's adaptiveclipping_mod sends norm_bit as int(norm_bit), client_dp_mod
+    dp-update-clipped as int(norm > C): 0 or 1. Product's mark 0.7 (or 2) was read by int() (update_clipped 0, or 2)
+    and bool() (one more clipped client, moving adaptive C). It is Product's malformed reply: left out, its row and log
+    line name the mark; adaptive C moves by the others' bits only: C exp(lr (1/3 - q)), Academic's 1 of the
+    expected 3."""
+    import math
+
+    adaptive = {"clipped_count_stddev": 0.0} if clipping == "adaptive" else {}
+    name = f"loop-cdp-mark-{clipping}-{value}".replace(".", "")
+    path = write_plan(name, "fedavg", rounds=2, fraction_train=1.0)
+    _client_dp(path, clipping_norm=1e6, clipping_side="client", clipping=clipping, **adaptive)
+    bits = {"Academic": 1, "Committee": 0, "Product": value}
+    if clipping == "fixed":
+        script = Script(dp_clipped=bits)
+    else:
+        more = {(c, rnd): {"norm_bit": bit} for c, bit in bits.items() for rnd in (1, 2)}
+        script = Script(dp_clipped={c: 0 for c in bits}, more_metrics=more)
+    with caplog.at_level(logging.WARNING, logger="fedmeet.federated"):
+        _, history, _ = run(path, script)
+    rows = rows_of(history, 1)
+    assert rows["Product"]["failed"] == 1 and f"{mark!r}: {value}" in rows["Product"]["error"]
+    assert "update_clipped" not in rows["Product"] and [rows[c]["failed"] for c in ("Academic", "Committee")] == [0, 0]
+    logs(logged(caplog), "round 1", "Product", f"{mark!r}: {value}")
+    if clipping == "adaptive":  # PrivacyConfig's defaults: clip_norm_lr 0.2, target_clipped_quantile 0.5
+        assert rows_of(history, 2)["Academic"]["clipping_norm"] == pytest.approx(1e6 * math.exp(0.2 * (1 / 3 - 0.5)))
+
+
 def test_client_level_dp_a_round_with_every_node_gone_keeps_the_global_of_the_round_before(ws):
     """Client-level DP (noise 0, C above every update), every SuperNode gone in round 2: nothing is aggregated, so
     round 2 releases the global it started from, W1 = W0 + the uniform mean of round 1 (plus the noise, 0 here), not

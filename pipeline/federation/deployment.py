@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -64,8 +63,10 @@ log = logging.getLogger("fedmeet.deployment")
 
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
-# a summarize reply's metrics (protocol.metrics_row's spec): the client's scores and its evaluation counts
-SUMMARY_METRICS = {k: (k, float) for k in SCORE_KEYS} | {k: (k, int) for k in ("n", "n_test", "skipped_by_subsampling")}
+# a summarize reply's metrics (protocol.metrics_row's spec): its scores (ROUGE F1 x 100, in [0, 100]) and its counts
+SUMMARY_METRICS = {k: (k, float, 0, 100) for k in SCORE_KEYS} | {
+    k: (k, int) for k in ("n", "n_test", "skipped_by_subsampling")
+}
 ROUND_KEYS = ("clients", "skipped_clients", "mean", "failed_clients")  # rounds.json's: kept without MLflow too
 
 
@@ -151,12 +152,12 @@ def federated_evaluate(
 
 
 def _summary(reply: Message) -> tuple[str, dict[str, Any] | None]:
-    """A summarize reply's client and its scores as metrics.json's (None: no test examples, ``n`` 0 or none); a reply
-    without its records, or whose scores are not one number each, raises ValueError saying so."""
+    """A summarize reply's client and its scores as metrics.json's (None: no test examples, ``n`` 0, or no ``n`` and
+    ``n_test`` 0 as client_summarize sends it); a reply without its records or SUMMARY_METRICS raises ValueError."""
     name = reply.content.config_records.get("identity", {}).get("client-name")
     if name is None or (metrics := reply.content.metric_records.get(METRICS_KEY)) is None:
         raise ValueError(f"it lacks an identity ConfigRecord of a client-name or a MetricRecord {METRICS_KEY!r}")
-    return str(name), None if metrics.get("n", 0) == 0 else metrics_row(metrics, SUMMARY_METRICS)
+    return str(name), None if metrics.get("n", metrics.get("n_test")) == 0 else metrics_row(metrics, SUMMARY_METRICS)
 
 
 @client_app.query("summarize")
@@ -180,8 +181,8 @@ def client_summarize(msg: Message, context: Context) -> Message:
         predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, f"{plan.experiment}/{name}")
         scores = Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
         metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
-    finite = MetricRecord({k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))})
-    return Message(RecordDict({"identity": ConfigRecord({"client-name": name}), METRICS_KEY: finite}), reply_to=msg)
+    records = {"identity": ConfigRecord({"client-name": name}), METRICS_KEY: MetricRecord(metrics)}
+    return Message(RecordDict(records), reply_to=msg)
 
 
 def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:

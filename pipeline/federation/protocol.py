@@ -193,12 +193,13 @@ def payload_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.array_records.values())
 
 
-def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple[str | None, type]]) -> dict[str, Any]:
-    """A reply's metrics ``spec`` names (key -> history row field or None, type) as the row's fields; a key missing or a
-    value not one number of its type (an int: whole) raises ValueError naming it (a malformed reply: its failure)."""
-    if odd := {key: m.get(key) for key, (_, kind) in spec.items() if not _number(m.get(key), kind)}:
+def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple]) -> dict[str, Any]:
+    """A reply's metrics ``spec`` names (key -> history row field or None, type[, lowest, highest]) as the row's fields;
+    a key missing or a value not one number of its type (an int: whole) within the bounds given (both in: finite)
+    raises ValueError naming it (a malformed reply: its failure)."""
+    if odd := {key: m.get(key) for key, (_, *kind) in spec.items() if not _number(m.get(key), *kind)}:
         raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
-    return {field: kind(m[key]) for key, (field, kind) in spec.items() if field is not None}
+    return {field: kind(m[key]) for key, (field, kind, *_) in spec.items() if field is not None}
 
 
 def train_reply_metrics(content: RecordDict, plan: Plan) -> dict[str, Any]:
@@ -206,7 +207,8 @@ def train_reply_metrics(content: RecordDict, plan: Plan) -> dict[str, Any]:
     round (or they raise InconsistentMessageReplies, ending the run): one ArrayRecord ARRAYS_KEY and one MetricRecord
     METRICS_KEY with the keys ``plan``'s replies hold, each one number of its type: TRAIN_METRICS; DP_METRICS under
     example-level DP; under client-side clipping (no row fields) Flower's mod's KEY_NORM_BIT if adaptive, and
-    CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C). Else ValueError naming it."""
+    CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C), each 0 or 1 (ClientLevelDP reads
+    them with int()). Else ValueError naming it."""
     records = (list(content.array_records), list(content.metric_records))
     if records != ([ARRAYS_KEY], [METRICS_KEY]):
         raise ValueError(f"its array and metric records are not [{ARRAYS_KEY!r}], [{METRICS_KEY!r}]: {records}")
@@ -214,14 +216,14 @@ def train_reply_metrics(content: RecordDict, plan: Plan) -> dict[str, Any]:
     spec = TRAIN_METRICS | (DP_METRICS if p is not None and p.mode == "example" else {})
     if p is not None and p.mode == "client" and p.clipping_side == "client":
         marks = ({KEY_NORM_BIT} if p.clipping == "adaptive" else set()) | ({CLIPPED_KEY} & m.keys())
-        spec |= {key: (None, float) for key in sorted(marks)}
+        spec |= {key: (None, int, 0, 1) for key in sorted(marks)}
     if extra := sorted(m.keys() - spec.keys()):
         raise ValueError(f"its metrics hold keys the plan's replies do not: {extra}")
     return metrics_row(m, spec)
 
 
-def _number(value: Any, kind: type) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _number(value: Any, kind: type, *within: float) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or within and not within[0] <= value <= within[1]:
         return False
     return kind is float or float(value).is_integer()
 

@@ -89,10 +89,8 @@ class ClientLevelDP(Strategy):
             metrics[UNIFORM_WEIGHT_KEY] = 1
             if not self.client_side:
                 clipped += self._clip(reply)
-            elif self.adaptive:
-                if KEY_NORM_BIT not in metrics:
-                    raise ValueError(f"round {server_round}: a reply without adaptiveclipping_mod's {KEY_NORM_BIT!r}")
-                clipped += int(bool(metrics[KEY_NORM_BIT]))
+            elif self.adaptive:  # its 0/1 mark checked (protocol.train_reply_metrics: a reply without it is left out)
+                clipped += int(metrics[KEY_NORM_BIT])
         inner = self.strategy
         key, inner.weighted_by_key = inner.weighted_by_key, UNIFORM_WEIGHT_KEY
         try:
