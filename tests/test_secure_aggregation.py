@@ -569,6 +569,69 @@ def test_a_share_of_the_right_form_but_wrong_halts_the_round_not_the_run(caplog)
     assert len(log) == 3
 
 
+@pytest.mark.parametrize("first", ["setup", "share_keys"])
+def test_a_client_lost_before_its_shares_and_one_lost_at_the_masked_vector_leave_the_survivors_mean(caplog, first):
+    """Five clients, genuine failures only: node 1000's mod raises in ``first`` (before its key shares went out),
+    node 1001's training raises (lost at the masked-vector stage). Flower removes 1001's pairwise masks with every
+    node in its neighbour set; 1000 was still in it, though no vector was masked with 1000: lost at share-keys, the
+    server subtracted a mask nobody added and released a wrong mean silently; lost at setup (no public key), the
+    round halted with KeyError. Now the released mean is numpy's mean of the three survivors' uploads, within the
+    quantisation bound."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
+    from pipeline.federation.server_app import _Round, _train_secure
+    from pipeline.privacy.secure_aggregation import (
+        SecureAggregator,
+        aggregation_error_bound,
+        legacy_fit,
+        secure_aggregation_mod,
+    )
+    from tests.test_server_loop import _secure_metrics, _secure_rows
+
+    nodes = [1000, 1001, 1002, 1003, 1004]
+    names_ = {n: f"C{i}" for i, n in enumerate(nodes)}
+    upload = {n: np.float32(0.5 * i) + np.arange(3, dtype=np.float32) / 4 for i, n in enumerate(nodes)}
+
+    def local(msg, context):
+        if context.node_id == 1001:
+            raise RuntimeError("out of memory while training")
+        arrays = ArrayRecord({"w": Array(upload[context.node_id])})
+        metrics = {k: v for k, v in _secure_metrics(1).items() if k != "secagg-clipped"}
+        return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=msg)
+
+    def failing_mod(msg, context, call_next):
+        cfg = msg.content.config_records.get("secaggplus_configs")
+        if context.node_id == 1000 and cfg is not None and str(cfg["stage"]) == first:
+            raise RuntimeError("connection lost")
+        return secure_aggregation_mod(msg, context, call_next)
+
+    app = ClientApp(mods=[failing_mod])
+    app.train()(lambda msg, context: legacy_fit(msg, context, local))
+    grid = InProcessGrid(app, [{"client-name": names_[n]} for n in nodes])
+    _set_server_identity(grid.run.run_id)
+    global_ = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
+    msgs = [
+        Message(RecordDict({ARRAYS_KEY: global_, CONFIG_KEY: ConfigRecord({})}), dst_node_id=n, message_type="train")
+        for n in nodes
+    ]
+    rows = _secure_rows(names_.values())
+    secure = SecureAggregator(SecAggConfig(), max_weight=1, timeout=5.0)
+    np.random.seed(0)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        released = _train_secure(secure, _Round(grid, None, 3, rows, names_, 5.0), msgs)
+    survivors = [1002, 1003, 1004]
+    expected = np.mean([upload[n].astype(np.float64) for n in survivors], axis=0)
+    assert released is not None, rows
+    bound = aggregation_error_bound([1] * len(survivors), secure.scale, SecAggConfig(), 2.5)
+    assert np.abs(released["w"].numpy() - expected).max() <= bound
+    assert [rows[names_[n]]["failed"] for n in nodes] == [1, 1, 0, 0, 0]
+    names(rows["C0"]["error"], f"SecAgg+ {first}: ", "RuntimeError")
+    names(rows["C1"]["error"], "SecAgg+ collect_masked_vectors: ", "RuntimeError")
+
+
 # ------------------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize(
     "method,why",

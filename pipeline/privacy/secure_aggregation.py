@@ -243,9 +243,9 @@ class _Offer(FedAvg):
 
 
 class _Workflow(SecAggPlusWorkflow):
-    """Flower's workflow, keeping the round's protocol state (threshold, shares), and forgetting a client lost
-    before its key shares went out (docs/privacy.md, dropouts: Flower 1.41 asks the survivors for shares none holds,
-    a KeyError). Exact: a client masks only with the neighbours whose shares it received."""
+    """Flower's workflow, keeping the round's protocol state (threshold, shares), and forgetting a client lost before
+    its key shares went out, as a node and as a neighbour (docs/privacy.md, dropouts: Flower 1.41 asks for shares none
+    holds, or removes masks none added). Exact: a client masks only with the neighbours whose shares it received."""
 
     def setup_stage(self, grid, context, state):
         self.state, self.unmask_error = state, None
@@ -253,6 +253,8 @@ class _Workflow(SecAggPlusWorkflow):
 
     def collect_masked_vectors_stage(self, grid, context, state):
         state.sampled_node_ids = set(state.active_node_ids)  # those whose shares went out in the share-keys stage
+        for neighbours in state.nid_to_neighbours.values():
+            neighbours &= state.sampled_node_ids
         return super().collect_masked_vectors_stage(grid, context, state)
 
     def unmask_stage(self, grid, context, state):
