@@ -9,6 +9,7 @@ m the largest |upload|, |SecAgg+ mean - FedAvg mean| <= k (Q / sum q_i)(2c/Q + 1
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -449,6 +450,25 @@ def _as_float(masked: list[bytes]) -> list[bytes]:
     return [ndarray_to_bytes(bytes_to_ndarray(b).astype(np.float64)) for b in masked]
 
 
+def _huge_header(masked: list[bytes]) -> list[bytes]:
+    """A valid .npy header declaring 2**40 int64 (8 TiB), and no data: np.load allocated them (MemoryError)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<i8", "fortran_order": False, "shape": (2**40,)})
+    return [buf.getvalue()] * len(masked)
+
+
+def _as_npz(masked: list[bytes]) -> list[bytes]:
+    """Each array as a .npz archive: np.load gave an NpzFile, whose missing shape raised AttributeError."""
+    from flwr.common import bytes_to_ndarray
+
+    out = []
+    for b in masked:
+        buf = io.BytesIO()
+        np.savez(buf, bytes_to_ndarray(b))
+        out.append(buf.getvalue())
+    return out
+
+
 UPLOADS = {1000: 0.5, 1001: 3.0, 1002: 1.25}  # node -> its update's first coordinate (then + 0.25, + 0.5)
 WEIGHTS = {1000: 1, 1001: 2, 1002: 3}
 CLIENTS = {1000: "Academic", 1001: "Committee", 1002: "Product"}
@@ -510,8 +530,27 @@ def _round_with_committee(stage: str, corrupt, caplog):
         ("share_keys", _replace("ctxts", lambda v: [1] * len(v)), False, "not bytes"),
         ("collect_masked_vectors", lambda c: _configs(c).pop("masked_params"), False, "masked_params"),
         ("collect_masked_vectors", _replace("masked_params", lambda v: list(v)[:1]), False, "shapes"),
-        ("collect_masked_vectors", _replace("masked_params", lambda v: [b""] * len(v)), False, "EOFError"),
+        (
+            "collect_masked_vectors",
+            _replace("masked_params", lambda v: [b""] * len(v)),
+            False,
+            "EOF: reading magic string",
+        ),
         ("collect_masked_vectors", _replace("masked_params", _as_float), False, "float64"),
+        (
+            "collect_masked_vectors",
+            _replace("masked_params", _huge_header),
+            False,
+            "0 data bytes for int64[1099511627776]",
+        ),
+        ("collect_masked_vectors", _replace("masked_params", lambda v: [b[:-8] for b in v]), False, "ValueError"),
+        ("collect_masked_vectors", _replace("masked_params", _as_npz), False, "magic string"),
+        (
+            "collect_masked_vectors",
+            _replace("masked_params", lambda v: [b[:6] + b"\4\0" + b[8:] for b in v]),
+            False,
+            "version",
+        ),
         # the FitRes parts beside the masked vector: Flower converts them, the server never reads them (the
         # unmasked sum replaces FitRes.parameters; the weight is in the vector; the metrics are fitres.metrics)
         ("collect_masked_vectors", lambda c: c.metric_records.pop("fitres.num_examples"), True, None),

@@ -4,7 +4,9 @@ turns its ``FitIns`` into the Message-API train call of every other round (:func
 
 from __future__ import annotations
 
+import io
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -12,7 +14,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
-from flwr.common import Code, FitIns, FitRes, Status, bytes_to_ndarray, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
@@ -160,6 +162,20 @@ def _wire_bytes(content: RecordDict) -> int:
     return payload_bytes(content) + sum(len(b) for b in values if isinstance(b, bytes))
 
 
+def _npy_header(blob: bytes) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype np.load gives ``blob`` (or its ValueError), from the .npy header alone (it may declare
+    terabytes), checked to be followed by exactly that many bytes: np.load of an integer one cannot fail."""
+    f = io.BytesIO(blob)
+    version = np.lib.format.read_magic(f)
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        raise ValueError(f"not a .npy format version np.load reads: {version}")
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(f)
+    if len(blob) != f.tell() + math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{len(blob) - f.tell()} data bytes for {dtype}{list(shape)}")
+    return shape, dtype
+
+
 class _ObservedGrid(GridView):
     """Passes the workflow's messages on, noting per node what each stage sent, received and failed; a reply Flower's
     workflow cannot take (it would raise inside it, ending the run) is that client's failure in its stage, to Flower
@@ -191,11 +207,11 @@ class _ObservedGrid(GridView):
             if not all(isinstance(b, bytes) for b in blobs):
                 return f"it holds a {stage} value that is not bytes"
             if stage == Stage.COLLECT_MASKED_VECTORS:
-                arrays = [bytes_to_ndarray(b) for b in blobs]
-                if [a.shape for a in arrays] != self.vector or any(a.dtype.kind not in "iu" for a in arrays):
-                    got = [f"{a.dtype}{list(a.shape)}" for a in arrays[:4]]
+                heads = [_npy_header(b) for b in blobs]
+                if [shape for shape, _ in heads] != self.vector or any(d.kind not in "iu" for _, d in heads):
+                    got = [f"{d}{list(shape)}" for shape, d in heads[:4]]
                     return f"its masked vector {got} is not integer arrays of the shapes {self.vector[:4]}"
-        except (KeyError, TypeError, ValueError, EOFError) as exc:  # np.load: EOFError on empty bytes
+        except (KeyError, TypeError, ValueError) as exc:
             return f"its reply cannot be read: {exc!r}"
         return None
 
