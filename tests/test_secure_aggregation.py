@@ -608,6 +608,24 @@ def test_a_share_of_the_right_form_but_wrong_halts_the_round_not_the_run(caplog)
     assert len(log) == 3
 
 
+def test_a_server_side_fault_in_the_unmask_stage_surfaces_not_as_a_halted_round(caplog, monkeypatch):
+    """The server's own link failing while it asks for the unmask shares (a ConnectionError from the grid) is no
+    client's share or key: it was turned into a halted round with every sampled client failed. Now it propagates
+    (the run stops, as for any server fault; a restart resumes from the last finished round)."""
+    from pipeline.privacy import secure_aggregation as sa
+
+    real = sa.replies_by_node
+
+    def flaky(grid, messages, timeout):
+        if str(_configs(messages[0].content)["stage"]) == "unmask":
+            raise ConnectionError("SuperLink unreachable")
+        return real(grid, messages, timeout)
+
+    monkeypatch.setattr(sa, "replies_by_node", flaky)
+    with pytest.raises(ConnectionError, match="SuperLink unreachable"):
+        _round_with_committee("setup", lambda c: None, caplog)
+
+
 @pytest.mark.parametrize("first", ["setup", "share_keys"])
 def test_a_client_lost_before_its_shares_and_one_lost_at_the_masked_vector_leave_the_survivors_mean(caplog, first):
     """Five clients, genuine failures only: node 1000's mod raises in ``first`` (before its key shares went out),

@@ -274,11 +274,13 @@ class _Workflow(SecAggPlusWorkflow):
         return super().collect_masked_vectors_stage(grid, context, state)
 
     def unmask_stage(self, grid, context, state):
-        """A share or public key of the right form but wrong (Shamir's combine, the key loading, the mask's seed
-        raise) halts the round: whose it was, the server cannot tell."""
+        """A share or public key of the right form but wrong halts the round: whose it was, the server cannot tell.
+        Flower 1.41 raises for one: ValueError (Shamir's combine, a key's PEM, a key of another curve), TypeError (an
+        encrypted or non-EC public key), AttributeError (a non-EC private key: no exchange), AssertionError (a mask's
+        seed of a length not a multiple of 4). Anything else (the grid's, the strategy's) is the server's fault."""
         try:
             return super().unmask_stage(grid, context, state)
-        except Exception as exc:  # every input of the unmasking is the clients' (shares, public keys)
+        except (ValueError, TypeError, AttributeError, AssertionError) as exc:
             self.unmask_error = f"SecAgg+ could not unmask the sum: {type(exc).__name__}: {' '.join(str(exc).split())}"
             return False
 
