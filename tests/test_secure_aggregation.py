@@ -469,6 +469,12 @@ def _as_npz(masked: list[bytes]) -> list[bytes]:
     return out
 
 
+def _a_share_twice(content) -> None:
+    """An unmask reply that repeats its first node's share: Shamir's combine of that node raised 'Duplicate share'."""
+    cfg = _configs(content)
+    cfg["nids"], cfg["shares"] = [*cfg["nids"], cfg["nids"][0]], [*cfg["shares"], cfg["shares"][0]]
+
+
 UPLOADS = {1000: 0.5, 1001: 3.0, 1002: 1.25}  # node -> its update's first coordinate (then + 0.25, + 0.5)
 WEIGHTS = {1000: 1, 1001: 2, 1002: 3}
 CLIENTS = {1000: "Academic", 1001: "Committee", 1002: "Product"}
@@ -560,6 +566,7 @@ def _round_with_committee(stage: str, corrupt, caplog):
         ("unmask", _replace("nids", lambda v: [77] * len(v)), True, "[77"),
         ("unmask", _replace("shares", lambda v: list(v)[:-1]), True, "shorter"),
         ("unmask", _replace("shares", lambda v: [1] * len(v)), True, "not bytes"),
+        ("unmask", _a_share_twice, True, "two shares of one node"),
     ],
 )
 def test_a_malformed_protocol_reply_is_that_clients_loss_not_the_end_of_the_run(

@@ -190,7 +190,7 @@ class _ObservedGrid(GridView):
         """Why Flower 1.41's workflow cannot take a client's reply of ``stage``, or None: the keys it reads there, the
         lists it zips of equal length, bytes where it forwards or decodes them (into a ConfigRecord of bytes, Shamir's
         combine), the masked vector integer arrays of the upload's shapes (it sums them modulo an integer), shares
-        of nodes whose shares it collects (the round's keyed ones)."""
+        of nodes whose shares it collects (the round's keyed ones), one each."""
         try:
             c = content.config_records[RECORD_KEY_CONFIGS]
             if stage == Stage.SETUP:
@@ -203,6 +203,8 @@ class _ObservedGrid(GridView):
                 shares = list(zip(c[Key.NODE_ID_LIST], c[Key.SHARE_LIST], strict=True))
                 if odd := [n for n, _ in shares if n not in self.workflow.state.sampled_node_ids]:
                     return f"it holds shares of nodes outside the round: {odd[:4]}"
+                if len({n for n, _ in shares}) != len(shares):  # Shamir's combine: 'Duplicate share', a halt
+                    return "it holds two shares of one node"
                 blobs = [b for _, b in shares]
             if not all(isinstance(b, bytes) for b in blobs):
                 return f"it holds a {stage} value that is not bytes"
