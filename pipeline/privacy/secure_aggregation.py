@@ -329,12 +329,7 @@ class SecureAggregator:
                 f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares"
             )
             return out
-        mean = list(strategy.mean)
-        if len(mean) != len(keys) + self.clipped_bits:
-            raise ValueError(
-                f"SecAgg+ unmasked {len(mean)} arrays for {len(keys)} adapter tensors"
-                f"{' and the clipped bit' if self.clipped_bits else ''}"
-            )
+        mean = list(strategy.mean)  # the observer's shapes: one per adapter tensor, then the clipped bit
         if self.clipped_bits:
             out.clipped_count = clipped_count(mean.pop(), len(in_sum), self.cfg)
         dtype = messages[0].content[ARRAYS_KEY][keys[0]].numpy().dtype
