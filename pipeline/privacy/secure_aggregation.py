@@ -233,7 +233,8 @@ class _ObservedGrid(GridView):
                     # halts the round); Flower converts the FitRes parts (a KeyError when one is missing) that no
                     # one reads (_Offer takes the unmasked sum, the weight is in the vector): it gets blank ones
                     outcome.metrics = dict(r.content.config_records.get("fitres.metrics", {}))
-                    r.content["fitres.parameters"], r.content["fitres.metrics"] = ArrayRecord(), ConfigRecord()
+                    r.content["fitres.parameters"] = ArrayRecord()
+                    r.content["fitres.metrics"] = ConfigRecord()
                     r.content["fitres.num_examples"] = MetricRecord({"num_examples": 0})
                     r.content["fitres.status"] = ConfigRecord({"code": Code.OK.value, "message": ""})
             elif outcome.failed_stage is None:  # the first stage it failed in, or did not answer in time in
