@@ -127,7 +127,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.ya
     merged = t | {k: t[k] | v if isinstance(v, dict) and type(t.get(k)) is dict else v for k, v in exp.train.items()}
     # run-time keys left out (run_settings), the entry's checked here: its train stage reads them
     from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
-    train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
+    train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"{where} train")
     if train.kd_gate not in GATES:
         at = f"{where}: train" if "kd_gate" in exp.train else f"{file} train"  # the entry's own, else params'
         raise ConfigError(f"{at}.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")

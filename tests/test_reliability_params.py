@@ -405,6 +405,22 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
         ("plan", [], "train.round_timeout_s", -5, r"train.round_timeout_s=-5 is out of range; allowed: > 0"),
         ("plan", [], "train.lr", "1e-5", r"train.lr: expected a number, got str '1e-5'"),
         ("plan", [], "train.kd_gate", "entrpy", r"train.kd_gate 'entrpy' is not a KD gate"),
+        # an entry's own train keys (resolve_plan's train_config): its line named no file
+        (
+            "plan",
+            [],
+            "experiments.single-domain.lr",
+            "1e-5",
+            r"experiments.single-domain train.lr: expected a number, got str '1e-5'",
+        ),
+        ("plan", [], "experiments.fedavg-domain.rounds", -1, r"experiments.fedavg-domain train.rounds=-1 is out of "),
+        (
+            "plan",
+            [],
+            "experiments.fedavg-domain.fraction_train",
+            2.0,
+            r"experiments.fedavg-domain train.fraction_train=2.0 is out of range; allowed: > 0 and <= 1",
+        ),
         ("plan", [], "experiments.fedavg-domain.bogus", 1, r"experiments.fedavg-domain: unknown key\(s\) \['bogus'\]"),
         (
             "plan",
