@@ -81,6 +81,9 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
 
 def declared(params: dict[str, Any], file: str = "params.yaml") -> list[Experiment]:
     """Every experiment of the params ``file``, in its order, each checked (the first bad entry raises, naming it)."""
+    train = group(params, "train", file)  # what entries inherit, first: RunSettings' keys and TrainConfig's
+    from_dict(RunSettings, {k: v for k, v in train.items() if k in RUN_TRAIN_KEYS}, f"{file} train")
+    train_config({k: v for k, v in train.items() if k not in RUN_TRAIN_KEYS}, f"{file} train")
     from_dict(Inherited, {key: params[key] for key in ("seed", "tau") if key in params}, file, sep=" ")
     return [parse_entry(name, raw, params, file) for name, raw in group(params, "experiments", file).items()]
 
@@ -186,9 +189,6 @@ def check_params(params: dict[str, Any], file: str = "params.yaml") -> dict[str,
     """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
     # Checked here, before any plan is written, although only the train stage builds the model from it.
     from_dict(ModelGroup, group(params, "model", file), f"{file} model")  # its cache keys (CacheConfig's) too
-    train = group(params, "train", file)  # its run-time keys (RunSettings') and the rest (TrainConfig's)
-    from_dict(RunSettings, {k: v for k, v in train.items() if k in RUN_TRAIN_KEYS}, f"{file} train")
-    train_config({k: v for k, v in train.items() if k not in RUN_TRAIN_KEYS}, f"{file} train")
     part = from_dict(PartitionConfig, params.get("partition"), "partition")
     for exp in (experiments := declared(params, file)):  # its train stage's dep data/partitions/<partition>.json
         if exp.partition not in {f"{scheme}/seed{seed}" for scheme in part.schemes for seed in part.seeds}:

@@ -437,6 +437,9 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
             1,
             r"experiments.fedavg-domain: unknown key\(s\) \['bogus'\]",
         ),
+        # the top-level train group (the report's plans of AdaCentralized/AdaSingle read it): the line blamed an entry
+        ("report", [], "train.lr", "1e-5", r"train.lr: expected a number, got str '1e-5'"),
+        ("report", [], "train.round_timeout_s", -5, r"train.round_timeout_s=-5 is out of range; allowed: > 0"),
         # the claims command reads the study folder's params.yaml (no --params)
         ("report", ["claims", "study", "README.md"], "tau", 0, r"tau=0 is out of range; allowed: > 0"),
         # params' privacy group (Experiment.privacy_config), and the plans' SecAgg+ check (check_client_plans)
