@@ -126,7 +126,7 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.yaml") -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method, where = get_method(exp.method), f"{file} experiments.{exp.name}"
-    t = group(params, "train")  # an entry's mappings (stop, join, fedopt) merge key by key, as privacy's secagg does
+    t = group(params, "train", file)  # an entry's mappings (stop, join, fedopt) merge key by key, like privacy.secagg
     merged = t | {k: t[k] | v if isinstance(v, dict) and type(t.get(k)) is dict else v for k, v in exp.train.items()}
     # run-time keys left out (run_settings), the entry's checked here: its train stage reads them
     from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
