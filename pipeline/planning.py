@@ -149,7 +149,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.ya
     if method.federated and exp.scheme in SCHEMES:
         # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
         plan["clients"] = scheme_client_names(
-            exp.scheme, from_dict(PartitionConfig, params.get("partition"), "partition")
+            exp.scheme, from_dict(PartitionConfig, params.get("partition"), f"{file} partition")
         )
     if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
         plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
@@ -189,7 +189,7 @@ def check_params(params: dict[str, Any], file: str = "params.yaml") -> dict[str,
     """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
     # Checked here, before any plan is written, although only the train stage builds the model from it.
     from_dict(ModelGroup, group(params, "model", file), f"{file} model")  # its cache keys (CacheConfig's) too
-    part = from_dict(PartitionConfig, params.get("partition"), "partition")
+    part = from_dict(PartitionConfig, params.get("partition"), f"{file} partition")
     for exp in (experiments := declared(params, file)):  # its train stage's dep data/partitions/<partition>.json
         if exp.partition not in {f"{scheme}/seed{seed}" for scheme in part.schemes for seed in part.seeds}:
             raise ConfigError(

@@ -429,6 +429,8 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
             "domain/seed9",
             r"experiments.fedavg-domain.partition: 'domain/seed9' is not produced by partition.schemes",
         ),
+        # the partition group the plan stage reads (the partitions an entry may name, a plan's clients)
+        ("plan", [], "partition.schemes", ["bogus"], r"partition.schemes: unknown value\(s\) \['bogus'\]; allowed: "),
         ("analyze", [], "seed", -1, r"seed=-1 is out of range; allowed: >= 0"),
         (
             "report",
