@@ -81,6 +81,9 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
 
 def declared(params: dict[str, Any], file: str = "params.yaml") -> list[Experiment]:
     """Every experiment of the params ``file``, in its order, each checked (the first bad entry raises, naming it)."""
+    train = group(params, "train", file)  # what entries inherit, first: RunSettings' keys and TrainConfig's
+    from_dict(RunSettings, {k: v for k, v in train.items() if k in RUN_TRAIN_KEYS}, f"{file} train")
+    train_config({k: v for k, v in train.items() if k not in RUN_TRAIN_KEYS}, f"{file} train")
     from_dict(Inherited, {key: params[key] for key in ("seed", "tau") if key in params}, file, sep=" ")
     return [parse_entry(name, raw, params, file) for name, raw in group(params, "experiments", file).items()]
 
@@ -123,11 +126,11 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.yaml") -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method, where = get_method(exp.method), f"{file} experiments.{exp.name}"
-    t = group(params, "train")  # an entry's mappings (stop, join, fedopt) merge key by key, as privacy's secagg does
+    t = group(params, "train", file)  # an entry's mappings (stop, join, fedopt) merge key by key, like privacy.secagg
     merged = t | {k: t[k] | v if isinstance(v, dict) and type(t.get(k)) is dict else v for k, v in exp.train.items()}
     # run-time keys left out (run_settings), the entry's checked here: its train stage reads them
     from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
-    train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
+    train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"{where} train")
     if train.kd_gate not in GATES:
         at = f"{where}: train" if "kd_gate" in exp.train else f"{file} train"  # the entry's own, else params'
         raise ConfigError(f"{at}.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
@@ -146,7 +149,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.ya
     if method.federated and exp.scheme in SCHEMES:
         # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
         plan["clients"] = scheme_client_names(
-            exp.scheme, from_dict(PartitionConfig, params.get("partition"), "partition")
+            exp.scheme, from_dict(PartitionConfig, params.get("partition"), f"{file} partition")
         )
     if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
         plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
@@ -186,10 +189,7 @@ def check_params(params: dict[str, Any], file: str = "params.yaml") -> dict[str,
     """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
     # Checked here, before any plan is written, although only the train stage builds the model from it.
     from_dict(ModelGroup, group(params, "model", file), f"{file} model")  # its cache keys (CacheConfig's) too
-    train = group(params, "train", file)  # its run-time keys (RunSettings') and the rest (TrainConfig's)
-    from_dict(RunSettings, {k: v for k, v in train.items() if k in RUN_TRAIN_KEYS}, f"{file} train")
-    train_config({k: v for k, v in train.items() if k not in RUN_TRAIN_KEYS}, f"{file} train")
-    part = from_dict(PartitionConfig, params.get("partition"), "partition")
+    part = from_dict(PartitionConfig, params.get("partition"), f"{file} partition")
     for exp in (experiments := declared(params, file)):  # its train stage's dep data/partitions/<partition>.json
         if exp.partition not in {f"{scheme}/seed{seed}" for scheme in part.schemes for seed in part.seeds}:
             raise ConfigError(

@@ -179,6 +179,16 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
     assert "experiments.x" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_resolve_plan_names_the_params_file_of_a_train_group_not_a_mapping():
+    """resolve_plan, called alone (benchmarks/engine.py, scale.py), reads params' train group: a non-mapping is
+    named in the file it was given, not in ./params.yaml."""
+    from pipeline.planning import declared, resolve_plan
+
+    exp = declared(_params())[0]
+    with pytest.raises(ConfigError, match=r"^study/params\.yaml train: expected a mapping of keys, got list \[5\]$"):
+        resolve_plan(exp, _params(train=[5]), "study/params.yaml")
+
+
 @pytest.mark.parametrize(
     "key",
     [

@@ -218,7 +218,7 @@ def test_a_client_level_dp_entry_the_plan_stage_refuses_is_a_problem():
 @pytest.mark.parametrize(
     "text, named",
     [  # a scalar where the partition stage reads a list; a list of entries where params.yaml has a mapping
-        ("partition:\n  seeds: 1\n", "partition.seeds: expected a list, got int 1"),
+        ("partition:\n  seeds: 1\n", "params.yaml partition.seeds: expected a list, got int 1"),
         ("experiments:\n  - fedavg\n", "params.yaml experiments: expected a mapping of keys, got list ['fedavg']"),
     ],
 )

@@ -405,6 +405,22 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
         ("plan", [], "train.round_timeout_s", -5, r"train.round_timeout_s=-5 is out of range; allowed: > 0"),
         ("plan", [], "train.lr", "1e-5", r"train.lr: expected a number, got str '1e-5'"),
         ("plan", [], "train.kd_gate", "entrpy", r"train.kd_gate 'entrpy' is not a KD gate"),
+        # an entry's own train keys (resolve_plan's train_config): its line named no file
+        (
+            "plan",
+            [],
+            "experiments.single-domain.lr",
+            "1e-5",
+            r"experiments.single-domain train.lr: expected a number, got str '1e-5'",
+        ),
+        ("plan", [], "experiments.fedavg-domain.rounds", -1, r"experiments.fedavg-domain train.rounds=-1 is out of "),
+        (
+            "plan",
+            [],
+            "experiments.fedavg-domain.fraction_train",
+            2.0,
+            r"experiments.fedavg-domain train.fraction_train=2.0 is out of range; allowed: > 0 and <= 1",
+        ),
         ("plan", [], "experiments.fedavg-domain.bogus", 1, r"experiments.fedavg-domain: unknown key\(s\) \['bogus'\]"),
         (
             "plan",
@@ -413,6 +429,8 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
             "domain/seed9",
             r"experiments.fedavg-domain.partition: 'domain/seed9' is not produced by partition.schemes",
         ),
+        # the partition group the plan stage reads (the partitions an entry may name, a plan's clients)
+        ("plan", [], "partition.schemes", ["bogus"], r"partition.schemes: unknown value\(s\) \['bogus'\]; allowed: "),
         ("analyze", [], "seed", -1, r"seed=-1 is out of range; allowed: >= 0"),
         (
             "report",
@@ -421,6 +439,9 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
             1,
             r"experiments.fedavg-domain: unknown key\(s\) \['bogus'\]",
         ),
+        # the top-level train group (the report's plans of AdaCentralized/AdaSingle read it): the line blamed an entry
+        ("report", [], "train.lr", "1e-5", r"train.lr: expected a number, got str '1e-5'"),
+        ("report", [], "train.round_timeout_s", -5, r"train.round_timeout_s=-5 is out of range; allowed: > 0"),
         # the claims command reads the study folder's params.yaml (no --params)
         ("report", ["claims", "study", "README.md"], "tau", 0, r"tau=0 is out of range; allowed: > 0"),
         # params' privacy group (Experiment.privacy_config), and the plans' SecAgg+ check (check_client_plans)

@@ -104,6 +104,23 @@ def test_a_bad_run_setting_is_named_in_the_file_it_came_from(tmp_path, group, ke
     assert str(err.value) == f"{params} {problem}"
 
 
+@pytest.mark.parametrize(
+    "entry, problem",
+    [  # the entry's own value: the line named the file's train group, which holds a good one
+        ({"round_timeout_s": -5}, "experiments.x.round_timeout_s=-5 is out of range; allowed: > 0"),
+        # the group's value the entry inherits: the group
+        ({"admission_timeout_s": 5}, "train.round_timeout_s=0 is out of range; allowed: > 0"),
+    ],
+)
+def test_a_bad_run_setting_names_the_entry_it_came_from(tmp_path, entry, problem):
+    params = tmp_path / "site.yaml"
+    group = {"round_timeout_s": 60 if "round_timeout_s" in entry else 0}  # good under a bad entry's, else bad
+    params.write_text(yaml.safe_dump({"train": group, "experiments": {"x": entry}}))
+    with pytest.raises(ConfigError) as err:
+        load_run_settings(params, "x")
+    assert str(err.value) == f"{params} {problem}"
+
+
 def _calls(path: Path, name: str) -> bool:
     tree = ast.parse(path.read_text())
     return any(

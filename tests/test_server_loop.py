@@ -1348,8 +1348,9 @@ def test_a_malformed_identify_reply_leaves_its_node_out_not_the_servers_run(ws, 
         return replies
 
     grid.send_and_receive = send_and_receive
-    with pytest.raises(RuntimeError, match=f"node 1002 failed to identify: .*{problem}"):
+    with pytest.raises(RuntimeError, match=f"node 1002 failed to identify: .*{problem}") as err:
         identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=5, sizes={})
+    assert "metrics" not in str(err.value)  # an identity record (it read "its metrics lack ... {'num-train': 2.7}")
     node_names = {1000: "Academic", 1001: "Committee", 9: "Product"}  # Product's SuperNode restarts as node 1002
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1001: "Committee"}

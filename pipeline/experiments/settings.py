@@ -37,10 +37,10 @@ RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 
 def run_settings(params: dict[str, Any], experiment: str | None = None, file: str = "params.yaml") -> RunSettings:
     """The run-time settings of the params ``file``, with ``experiment``'s own overrides of them (e.g.
-    ``round_timeout_s``)."""
-    train = dict(group(params, "train", file))
-    if experiment is not None:
-        train.update((params.get("experiments") or {}).get(experiment) or {})
+    ``round_timeout_s``; a bad one is named as the entry's: ``<file> experiments.<name>.round_timeout_s``)."""
+    own = (params.get("experiments") or {}).get(experiment) or {} if experiment is not None else {}
+    from_dict(RunSettings, {k: v for k, v in own.items() if k in RUN_TRAIN_KEYS}, f"{file} experiments.{experiment}")
+    train = group(params, "train", file) | own
     model = group(params, "model", file)
     cache = from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, f"{file} model")
     settings = {k: train[k] for k in RUN_TRAIN_KEYS if k in train} | {"cache": cache}

@@ -140,7 +140,8 @@ def federated_evaluate(
     order = list(plan.clients) if plan.clients else sorted(received)
     skipped = {c: "no score: its node is gone or failed (failed_clients)" for c in order if c not in received}
     if skipped or failed:  # the client average is over the others; a failed node is named even when its client is not
-        log.warning("%s: federated evaluation: no score of %s (failed: %s)", plan.experiment, sorted(skipped), failed)
+        said = [f"no score of {sorted(skipped)}" if skipped else "", f"failed: {failed}" if failed else ""]
+        log.warning("%s: federated evaluation: %s", plan.experiment, "; ".join(filter(None, said)))
     skipped |= {c: "no test examples on the client" for c in order if c in received and received[c] is None}
     per_client = {c: received[c] for c in order if received.get(c) is not None}
     # as the evaluate stage reports the backbone: the recorded name, else the model type

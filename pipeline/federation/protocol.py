@@ -193,12 +193,12 @@ def payload_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.array_records.values())
 
 
-def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple]) -> dict[str, Any]:
+def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple], what: str = "metrics") -> dict[str, Any]:
     """A reply's metrics ``spec`` names (key -> history row field or None, type[, lowest, highest]) as the row's fields;
     a key missing or a value not one number of its type (an int: whole) within the bounds given (both in: finite)
-    raises ValueError naming it (a malformed reply: its failure)."""
+    raises ValueError naming it and ``what`` they are (a malformed reply: its failure)."""
     if odd := {key: m.get(key) for key, (_, *kind) in spec.items() if not _number(m.get(key), *kind)}:
-        raise ValueError(f"its metrics lack or hold no single number of their type: {odd}")
+        raise ValueError(f"its {what} lack or hold no single number of their type: {odd}")
     return {field: kind(m[key]) for key, (field, kind, *_) in spec.items() if field is not None}
 
 
