@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--report-dir", default=str(PATHS.partition_reports))
     args = ap.parse_args(argv)
     with stage_timer(f"partition-{args.scheme}-seed{args.seed}"):  # wall time, peak RSS -> reports/timing/
-        cfg = from_dict(PartitionConfig, load_params(args.params).get("partition"), "partition")
+        cfg = from_dict(PartitionConfig, load_params(args.params).get("partition"), f"{args.params} partition")
         examples = pd.read_parquet(args.examples, columns=partitions.EXAMPLE_COLUMNS_USED)
         part = partitions.make_partition(examples, args.scheme, args.seed, cfg)
         out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"

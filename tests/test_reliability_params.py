@@ -474,6 +474,14 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
         ("backbone", [], "ingest", [5], r"ingest: expected a mapping of keys, got list \[5\]"),
         ("backbone", [], "examples", [5], r"examples: expected a mapping of keys, got list \[5\]"),
         ("postag", [], "model", [5], r"model: expected a mapping of keys, got list \[5\]"),
+        # the partition stage's group (a scheme and seed are its own arguments)
+        (
+            "partition",
+            ["--scheme", "domain", "--seed", "0", "--params", "study/params.yaml"],
+            "partition.seeds",
+            [-1],
+            r"partition.seeds",
+        ),
     ],
 )
 def test_a_bad_key_of_a_params_file_elsewhere_is_named_in_that_file(
