@@ -44,7 +44,7 @@ from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
-from pipeline.training.history import Recorder, RoundLog
+from pipeline.training.history import Recorder, RoundLog, history_row
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
@@ -80,10 +80,6 @@ class _Round:
     clipping_norm: float | None = None
     clipped: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     misnamed: set[int] = field(default_factory=set)  # nodes answering as another client: forgotten after the round
-
-
-def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
-    return {"round": rnd, "client": client, "sampled": sampled, "failed": 0, **extra, "bytes_down": 0, "bytes_up": 0}
 
 
 def run_server(
@@ -212,11 +208,11 @@ def _round_rows(
     """This round's history row per client: sampled (with its downlink bytes), admitted but not sampled, or absent
     (its SuperNode is gone, Flower marked it offline: recorded, not waited for)."""
     sampled = {node_names[m.metadata.dst_node_id]: payload_bytes(m.content) for m in messages}
-    rows = {name: _row(rnd, name, 1) | {"bytes_down": down} for name, down in sampled.items()}
+    rows = {name: history_row(rnd, name, 1) | {"bytes_down": down} for name, down in sampled.items()}
     for n in admitted:
-        rows.setdefault(node_names[n], _row(rnd, node_names[n], 0))
+        rows.setdefault(node_names[n], history_row(rnd, node_names[n], 0))
     for name in sorted(absent):
-        rows[name] = _row(rnd, name, 0, absent=1)
+        rows[name] = history_row(rnd, name, 0, absent=1)
     return rows
 
 
