@@ -3,7 +3,6 @@ subsampling)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline.common.schema import DataError
+from pipeline.common.schema import DataError, read_json
 from pipeline.experiments.plans import Plan
 from pipeline.training.seeds import derived_seed
 
@@ -34,9 +33,7 @@ def read_examples(path: str | Path) -> pd.DataFrame:
 
 def read_partition(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: partition file not found (stage `partition`)")
-    raw = json.loads(p.read_text())
+    raw = read_json(p, "partition file (stage `partition`)")
     for name, splits in raw["clients"].items():  # train, valid and test lists: the partition stage writes them
         if not splits["train"]:
             raise DataError(f"{p}: client {name!r} has an empty train split")
