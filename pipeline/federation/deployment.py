@@ -167,9 +167,7 @@ def client_summarize(msg: Message, context: Context) -> Message:
     plan = served_plan(msg, context)
     name = client_name(context)
     cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])), "query.summarize: evaluate")
-    partition = read_partition(plan.paths["partition"])
-    if name not in partition["clients"]:
-        raise ValueError(f"{plan.paths['partition']}: no client {name!r}")
+    partition = read_partition(plan.paths["partition"], name)
     test_ids = [str(i) for i in partition["clients"][name].get("test", [])]
     metrics: dict[str, float | int] = {"n_test": len(test_ids)}
     if test_ids:

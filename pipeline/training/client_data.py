@@ -31,12 +31,14 @@ def read_examples(path: str | Path) -> pd.DataFrame:
     return _read_examples(str(p.resolve()), p.stat().st_mtime)
 
 
-def read_partition(path: str | Path) -> dict[str, Any]:
+def read_partition(path: str | Path, client: str | None = None) -> dict[str, Any]:
     p = Path(path)
     raw = read_json(p, "partition file (stage `partition`)")
     for name, splits in raw["clients"].items():  # train, valid and test lists: the partition stage writes them
         if not splits["train"]:
             raise DataError(f"{p}: client {name!r} has an empty train split")
+    if client is not None and client not in raw["clients"]:  # a client given: the partition must hold it
+        raise DataError(f"{p}: no client {client!r} (clients: {sorted(raw['clients'])})")
     return raw
 
 
@@ -68,9 +70,7 @@ def _client_data(
     limits: tuple[int | None, int | None],
     seed: int,
 ) -> ClientData:
-    partition = read_partition(partition_path)
-    if client not in partition["clients"]:
-        raise DataError(f"{partition_path}: no client {client!r} (clients: {sorted(partition['clients'])})")
+    partition = read_partition(partition_path, client)
     examples = read_examples(examples_path)
     splits = partition["clients"][client]
     frames = {}
