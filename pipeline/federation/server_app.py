@@ -47,6 +47,7 @@ from pipeline.training.client_data import client_names
 from pipeline.training.history import Recorder, RoundLog, history_row
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
+from pipeline.training.set_engine import rng_state, set_rng_state
 from pipeline.training.shared_model import initial_adapter_state
 from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
 
@@ -56,8 +57,7 @@ log = logging.getLogger("fedmeet.federated")
 def save_server_checkpoint(plan: Plan, rnd: int, state: dict[str, torch.Tensor], strategy, history: list[dict]) -> None:
     """The round's checkpoint; ``state``: the global adapter as tensors (torch.save writes their bytes as they are;
     NumPy arrays it pickles, ~7x slower a round)."""
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    content = {"arrays": state, "strategy_state": strategy_state(strategy), "history": history, "rng": rng}
+    content = {"arrays": state, "strategy_state": strategy_state(strategy), "history": history, "rng": rng_state()}
     checkpoints.save_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan, rnd, content)
 
 
@@ -195,9 +195,7 @@ def _resume(plan: Plan, strategy, ckpt: dict[str, Any] | None) -> tuple[int, Arr
         return 1, ArrayRecord.from_torch_state_dict(initial_adapter_state(plan)), []
     start = int(ckpt["round"]) + 1
     restore_strategy_state(strategy, ckpt["strategy_state"])
-    random.setstate(ckpt["rng"]["python"])
-    np.random.set_state(ckpt["rng"]["numpy"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
+    set_rng_state(ckpt["rng"])
     log.info("%s: resuming after round %d", plan.experiment, start - 1)
     return start, ArrayRecord({k: Array(np.asarray(v)) for k, v in ckpt["arrays"].items()}), list(ckpt["history"])
 
