@@ -9,7 +9,7 @@ import torch
 
 from pipeline.modeling.adapters import AdapterConfig
 from pipeline.modeling.model import AdapterSummarizer
-from pipeline.results.evaluation import EvaluateConfig, generate_per_run, generate_summaries
+from pipeline.results.evaluation import EvaluateConfig, generate_per_run
 from tests.tiny_models import WORDS, tiny
 
 
@@ -27,16 +27,15 @@ def test_runs_generated_together_are_each_as_generated_alone(kind):
     together = generate_per_run(model, states, [sources] * 3, cfg, 32, "together")
     alone = []
     for state in states:
-        model.load_adapter_state("local", state)
-        alone.append(generate_summaries(model, sources, cfg, 32, "alone"))
+        alone.append(generate_per_run(model, [state], [sources], cfg, 32, "alone")[0])
     assert together == alone
     # runs with sources of their own and of other counts (a short last batch filled, a run ending early)
     own = [WORDS[:3], WORDS[1:], WORDS[4:]]
     mixed = generate_per_run(model, states, own, cfg, 32, "mixed")
     for r, state in enumerate(states):
-        model.load_adapter_state("local", state)
-        assert mixed[r] == generate_summaries(model, own[r], cfg, 32, "alone"), r
+        assert mixed[r] == generate_per_run(model, [state], [own[r]], cfg, 32, "alone")[0], r
     # and as the model's own adapter set generates (HF generate with path "local", not a stack)
+    model.load_adapter_state("local", states[-1])
     enc = tokenizer(sources, max_length=32, truncation=True, padding=True, return_tensors="pt")
     own = model.generate(enc["input_ids"], enc["attention_mask"], "local", **cfg.generation_kwargs())
     assert [t.strip() for t in tokenizer.batch_decode(own, skip_special_tokens=True)] == together[-1]

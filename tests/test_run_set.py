@@ -32,7 +32,7 @@ def _outcome(name: str) -> dict:
     """What a finished run published: its adapters, rounds file, per-client best and stop rounds, test summaries."""
     from pipeline.experiments.plans import read_plan
     from pipeline.modeling.adapters import load_adapter
-    from pipeline.results.evaluation import EvaluateConfig, generate_summaries
+    from pipeline.results.evaluation import EvaluateConfig, generate_per_run
     from pipeline.training.client_data import read_examples, read_partition
     from pipeline.training.shared_model import shared_model
 
@@ -46,9 +46,8 @@ def _outcome(name: str) -> dict:
         best = Path(f"models/{name}/clients/{client}/adapter_best.safetensors")
         if not best.exists():  # a serverless run has one model
             continue
-        model.load_adapter_state("local", load_adapter(best))
         sources = examples.loc[splits["test"], "source"].tolist()
-        summaries[client] = generate_summaries(model, sources, cfg, 32, f"{name} {client}")
+        summaries[client] = generate_per_run(model, [load_adapter(best)], [sources], cfg, 32, f"{name} {client}")[0]
     return {
         "adapters": _final_adapters(name),
         "rounds": json.loads(Path(f"models/{name}/rounds.json").read_text()),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SPLITS = ("train", "valid", "test")
@@ -19,6 +21,20 @@ SPLIT_ALIASES = {"train": "train", "test": "test"} | dict.fromkeys(("val", "vali
 
 class DataError(ValueError):
     """Bad input data. The message names the file, the line or record, and the problem."""
+
+
+def read_json(path: Path, what: str = "JSON file", kind: type = dict) -> Any:
+    """What an earlier stage wrote to ``path``, a JSON object (``kind`` dict) or array (list); a missing file, invalid
+    JSON or another kind is a one-line DataError naming ``what``."""
+    if not path.is_file():
+        raise DataError(f"{path}: {what} not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(data, kind):
+        raise DataError(f"{path}: expected a JSON {'object' if kind is dict else 'array'} ({what})")
+    return data
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common.config import ConfigError, from_dict
+from pipeline.common.schema import read_json
 from pipeline.experiments.methods import MethodSpec, get_method
 from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.privacy import PrivacyConfig
@@ -102,10 +103,7 @@ def read_plan(path: str | Path) -> Plan:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: plan file not found (run `python -m pipeline.plan` first)")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p}: not a plan file (invalid JSON: {exc})") from None
+    raw = read_json(p, "plan file")
     train = train_config(raw.pop("train", {}), f"{p}: train")
     privacy = raw.pop("privacy", None)  # null or {}: no privacy, as a plan without the key
     privacy = from_dict(PrivacyConfig, privacy, f"{p}: privacy") if privacy else None

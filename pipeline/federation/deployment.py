@@ -42,7 +42,7 @@ from pipeline.paths import PATHS
 from pipeline.results.evaluation import (
     SCORE_KEYS,
     EvaluateConfig,
-    generate_summaries,
+    generate_per_run,
     log_to_mlflow,
     metrics_record,
     test_subsample,
@@ -168,18 +168,16 @@ def client_summarize(msg: Message, context: Context) -> Message:
     plan = served_plan(msg, context)
     name = client_name(context)
     cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])), "query.summarize: evaluate")
-    partition = read_partition(plan.paths["partition"])
-    if name not in partition["clients"]:
-        raise ValueError(f"{plan.paths['partition']}: no client {name!r}")
+    partition = read_partition(plan.paths["partition"], name)
     test_ids = [str(i) for i in partition["clients"][name].get("test", [])]
     metrics: dict[str, float | int] = {"n_test": len(test_ids)}
     if test_ids:
-        model = shared_model(plan)
-        model.load_adapter_state("local", load_adapter(adapter_file(client_dir(plan, name, context), cfg.adapter)))
+        adapter = load_adapter(adapter_file(client_dir(plan, name, context), cfg.adapter))
         where = f"{plan.paths['partition']}, {plan.paths['examples']}"
         sub = test_subsample(read_examples(plan.paths["examples"]), test_ids, name, cfg, where)
         max_src = cfg.max_source_length or plan.model_config.max_source_length
-        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, f"{plan.experiment}/{name}")
+        desc = f"{plan.experiment}/{name}"
+        [predictions] = generate_per_run(shared_model(plan), [adapter], [sub["source"].tolist()], cfg, max_src, desc)
         scores = Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
         metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
     records = {"identity": ConfigRecord({"client-name": name}), METRICS_KEY: MetricRecord(metrics)}

@@ -112,11 +112,9 @@ def plan_path_of(msg: Message | None, context: Context) -> str:
 
 
 def load_plan(path: str) -> Plan:
-    """The plan at ``path``, read once per file version."""
+    """The plan at ``path``, read once per file version (none there: read_plan's FileNotFoundError)."""
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: plan file not found (run the plan stage: dvc repro plan)")
-    return _plan_cached(str(p.resolve()), p.stat().st_mtime)
+    return _plan_cached(str(p.resolve()), p.stat().st_mtime) if p.exists() else read_plan(p)
 
 
 def delta_encoded(plan: Plan) -> bool:

@@ -44,9 +44,10 @@ from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
-from pipeline.training.history import Recorder, RoundLog
+from pipeline.training.history import Recorder, RoundLog, history_row
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
+from pipeline.training.set_engine import rng_state, set_rng_state
 from pipeline.training.shared_model import initial_adapter_state
 from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
 
@@ -56,8 +57,7 @@ log = logging.getLogger("fedmeet.federated")
 def save_server_checkpoint(plan: Plan, rnd: int, state: dict[str, torch.Tensor], strategy, history: list[dict]) -> None:
     """The round's checkpoint; ``state``: the global adapter as tensors (torch.save writes their bytes as they are;
     NumPy arrays it pickles, ~7x slower a round)."""
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    content = {"arrays": state, "strategy_state": strategy_state(strategy), "history": history, "rng": rng}
+    content = {"arrays": state, "strategy_state": strategy_state(strategy), "history": history, "rng": rng_state()}
     checkpoints.save_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan, rnd, content)
 
 
@@ -80,10 +80,6 @@ class _Round:
     clipping_norm: float | None = None
     clipped: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     misnamed: set[int] = field(default_factory=set)  # nodes answering as another client: forgotten after the round
-
-
-def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
-    return {"round": rnd, "client": client, "sampled": sampled, "failed": 0, **extra, "bytes_down": 0, "bytes_up": 0}
 
 
 def run_server(
@@ -199,9 +195,7 @@ def _resume(plan: Plan, strategy, ckpt: dict[str, Any] | None) -> tuple[int, Arr
         return 1, ArrayRecord.from_torch_state_dict(initial_adapter_state(plan)), []
     start = int(ckpt["round"]) + 1
     restore_strategy_state(strategy, ckpt["strategy_state"])
-    random.setstate(ckpt["rng"]["python"])
-    np.random.set_state(ckpt["rng"]["numpy"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
+    set_rng_state(ckpt["rng"])
     log.info("%s: resuming after round %d", plan.experiment, start - 1)
     return start, ArrayRecord({k: Array(np.asarray(v)) for k, v in ckpt["arrays"].items()}), list(ckpt["history"])
 
@@ -212,11 +206,11 @@ def _round_rows(
     """This round's history row per client: sampled (with its downlink bytes), admitted but not sampled, or absent
     (its SuperNode is gone, Flower marked it offline: recorded, not waited for)."""
     sampled = {node_names[m.metadata.dst_node_id]: payload_bytes(m.content) for m in messages}
-    rows = {name: _row(rnd, name, 1) | {"bytes_down": down} for name, down in sampled.items()}
+    rows = {name: history_row(rnd, name, 1) | {"bytes_down": down} for name, down in sampled.items()}
     for n in admitted:
-        rows.setdefault(node_names[n], _row(rnd, node_names[n], 0))
+        rows.setdefault(node_names[n], history_row(rnd, node_names[n], 0))
     for name in sorted(absent):
-        rows[name] = _row(rnd, name, 0, absent=1)
+        rows[name] = history_row(rnd, name, 0, absent=1)
     return rows
 
 

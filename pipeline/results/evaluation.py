@@ -91,11 +91,6 @@ def test_subsample(examples, test_ids: list[str], client: str, cfg: EvaluateConf
     return examples.loc[subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)]
 
 
-def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_source_length: int, desc: str) -> list[str]:
-    """Beam-search summaries of ``sources`` with the model's local adapter, in batches of ``cfg.batch_size``."""
-    return generate_per_run(model, [model.adapter_state("local")], [sources], cfg, max_source_length, desc)[0]
-
-
 # Sources a generate call holds at most (several experiments' adapters stacked). Its memory grows with them x beams:
 # at MiniLM's shapes (512-token sources, 4 beams) the cross-attention caches alone take ~19 GB for 512 sources.
 GENERATE_ROWS = 512

@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.common.schema import DataError
+from pipeline.common.schema import DataError, read_json
 from pipeline.experiments.entries import Experiment
 from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L, average_rouge
 
@@ -21,20 +21,6 @@ METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 # What tells one configuration from another in the scores tables.
 GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant", "dp")
 GATE_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
-
-
-def read_json(path: Path, what: str = "JSON file", kind: type = dict) -> Any:
-    """What an earlier stage wrote to ``path``, a JSON object (``kind`` dict) or array (list); a missing file, invalid
-    JSON or another kind is a one-line DataError naming ``what``."""
-    if not path.is_file():
-        raise DataError(f"{path}: {what} not found")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(data, kind):
-        raise DataError(f"{path}: expected a JSON {'object' if kind is dict else 'array'} ({what})")
-    return data
 
 
 def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]:

@@ -3,7 +3,6 @@ subsampling)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline.common.schema import DataError
+from pipeline.common.schema import DataError, read_json
 from pipeline.experiments.plans import Plan
 from pipeline.training.seeds import derived_seed
 
@@ -32,14 +31,14 @@ def read_examples(path: str | Path) -> pd.DataFrame:
     return _read_examples(str(p.resolve()), p.stat().st_mtime)
 
 
-def read_partition(path: str | Path) -> dict[str, Any]:
+def read_partition(path: str | Path, client: str | None = None) -> dict[str, Any]:
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: partition file not found (stage `partition`)")
-    raw = json.loads(p.read_text())
+    raw = read_json(p, "partition file (stage `partition`)")
     for name, splits in raw["clients"].items():  # train, valid and test lists: the partition stage writes them
         if not splits["train"]:
             raise DataError(f"{p}: client {name!r} has an empty train split")
+    if client is not None and client not in raw["clients"]:  # a client given: the partition must hold it
+        raise DataError(f"{p}: no client {client!r} (clients: {sorted(raw['clients'])})")
     return raw
 
 
@@ -71,9 +70,7 @@ def _client_data(
     limits: tuple[int | None, int | None],
     seed: int,
 ) -> ClientData:
-    partition = read_partition(partition_path)
-    if client not in partition["clients"]:
-        raise DataError(f"{partition_path}: no client {client!r} (clients: {sorted(partition['clients'])})")
+    partition = read_partition(partition_path, client)
     examples = read_examples(examples_path)
     splits = partition["clients"][client]
     frames = {}

@@ -33,6 +33,10 @@ ROUND_FIELDS = (
 )
 
 
+def history_row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
+    return {"round": rnd, "client": client, "sampled": sampled, "failed": 0, **extra, "bytes_down": 0, "bytes_up": 0}
+
+
 @dataclass
 class RoundLog:
     """What the server saw of one round (per client rows; no client data)."""

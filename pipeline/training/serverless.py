@@ -16,7 +16,7 @@ from pipeline.experiments.settings import CacheConfig
 from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, client_names
-from pipeline.training.history import RoundLog, TrainRecorder
+from pipeline.training.history import RoundLog, TrainRecorder, history_row
 from pipeline.training.set_engine import RoundBarrier
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 from pipeline.training.stopping import should_stop
@@ -94,9 +94,8 @@ def run_serverless(
             progress[n], _ = checkpoints.keep_best_and_final(
                 checkpoints.client_output_dir(plan, n), plan, n, rnd, val, adapters[unit], progress[n]
             )
-            row = {"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0}
             validated = {"val_loss": val, "val_tokens": val_tokens, "best_round": progress[n]["best-round"]}
-            rows.append(row | trained[unit] | validated)
+            rows.append(history_row(rnd, n, 1) | trained[unit] | validated)
         history.extend(rows)
         checkpoints.save_round_checkpoint(
             ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress, "history": history}
