@@ -227,7 +227,7 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # (other metric keys or records than the plan's, a reply that trained nothing, a summed SecAgg+ client's unreadable
 # metrics, a malformed identify reply: +48), a missing MiniLM model named in one line with the ways to provide it and
 # tau's unit taken from an older study's params (+20).
-PACKAGE_LINE_CEILING = 15_115
+PACKAGE_LINE_CEILING = 15_118
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

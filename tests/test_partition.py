@@ -609,3 +609,21 @@ def test_noniid_balanced_sizes_without_a_split_are_named_at_the_params_not_a_key
     assert {c: {s: len(v) for s, v in splits.items()} for c, splits in part.clients.items()} == dict.fromkeys(
         ("Academic", "Committee", "Product"), sizes
     )
+
+
+@pytest.mark.parametrize(
+    "content",
+    [{}, {"clients": ["Academic"]}, {"clients": {"Academic": [1, 2]}}, {"clients": {"Academic": {"valid": []}}}],
+    ids=["no-clients", "clients-a-list", "splits-a-list", "no-train-split"],
+)
+def test_a_partition_file_without_its_clients_splits_is_one_line_naming_it(tmp_path, content):
+    """A partition file edited by hand or written by another tool: no `clients` mapping of client -> {train, valid,
+    test} ended in a KeyError/AttributeError traceback in training and the deployed evaluation."""
+    from pipeline.common.schema import DataError
+    from pipeline.training.client_data import read_partition
+
+    path = tmp_path / "seed0.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(DataError) as err:
+        read_partition(path, "Academic")
+    assert str(err.value) == f"{path}: no 'clients' mapping of each client to its train, valid and test ids"

@@ -34,7 +34,10 @@ def read_examples(path: str | Path) -> pd.DataFrame:
 def read_partition(path: str | Path, client: str | None = None) -> dict[str, Any]:
     p = Path(path)
     raw = read_json(p, "partition file (stage `partition`)")
-    for name, splits in raw["clients"].items():  # train, valid and test lists: the partition stage writes them
+    clients = raw.get("clients")
+    if not isinstance(clients, dict) or not all(isinstance(s, dict) and "train" in s for s in clients.values()):
+        raise DataError(f"{p}: no 'clients' mapping of each client to its train, valid and test ids")
+    for name, splits in clients.items():  # train, valid and test lists: the partition stage writes them
         if not splits["train"]:
             raise DataError(f"{p}: client {name!r} has an empty train split")
     if client is not None and client not in raw["clients"]:  # a client given: the partition must hold it
