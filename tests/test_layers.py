@@ -227,6 +227,15 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # (other metric keys or records than the plan's, a reply that trained nothing, a summed SecAgg+ client's unreadable
 # metrics, a malformed identify reply: +48), a missing MiniLM model named in one line with the ways to provide it and
 # tau's unit taken from an older study's params (+20).
+# The seventeenth session: -86 from structure (seven area lenses and one across packages: accounting's and a
+# FederationPrivacy pass-through, one JSON record reader for plans, partitions and results, one history row for the
+# server and the serverless loops, server checkpoints through the engine's RNG state, main_table's rows as tuples,
+# unreachable checks in SecAgg+ and client-level DP, ...; outputs identical), +114 for its fixes: one client's
+# malformed or wrong SecAgg+ protocol reply no longer ends the server's run, and a client lost before its key shares
+# no longer unmasks a wrong global (+71); malformed, non-finite or out-of-range evaluation replies and clipping marks
+# are that node's failure (+21); bad-input lines name the params file actually read, a folder as --params, a
+# partition without clients (+8); the entropy figure's unit and main-study runs of several gates refused (+7); a
+# public tracking.find_runs for the GPU kit's importer (+5); a packed line split, one SuperNode log name a process.
 PACKAGE_LINE_CEILING = 15_118
 
 
