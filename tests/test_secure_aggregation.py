@@ -480,15 +480,28 @@ WEIGHTS = {1000: 1, 1001: 2, 1002: 3}
 CLIENTS = {1000: "Academic", 1001: "Committee", 1002: "Product"}
 
 
+def _train_messages(nodes) -> list:
+    """A train message of a 3-float global of zeros to each of ``nodes``."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY
+
+    global_ = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
+    return [
+        Message(RecordDict({ARRAYS_KEY: global_, CONFIG_KEY: ConfigRecord({})}), dst_node_id=n, message_type="train")
+        for n in nodes
+    ]
+
+
 def _round_with_committee(stage: str, corrupt, caplog):
     """One SecAgg+ round of the real workflow and mod over the in-process grid, Committee's reply of ``stage``
     changed by ``corrupt`` (a non-genuine client: Flower's mod never sends it so), through the server's
     _train_secure: (what it released, the clients' rows, the federation log, the SecAgg+ scale)."""
-    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
+    from pipeline.federation.protocol import ARRAYS_KEY, METRICS_KEY
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
     from tests.test_server_loop import _secure_metrics, _secure_rows, logged
@@ -513,11 +526,7 @@ def _round_with_committee(stage: str, corrupt, caplog):
         return replies
 
     grid.send_and_receive = send_and_receive
-    global_ = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
-    msgs = [
-        Message(RecordDict({ARRAYS_KEY: global_, CONFIG_KEY: ConfigRecord({})}), dst_node_id=n, message_type="train")
-        for n in CLIENTS
-    ]
+    msgs = _train_messages(CLIENTS)
     rows = _secure_rows(CLIENTS.values())
     secure = SecureAggregator(SecAggConfig(), max_weight=3, timeout=5.0)
     np.random.seed(0)  # Flower's stochastic rounding draws from numpy's global generator
@@ -641,11 +650,11 @@ def test_a_client_lost_before_its_shares_and_one_lost_at_the_masked_vector_leave
     server subtracted a mask nobody added and released a wrong mean silently; lost at setup (no public key), the
     round halted with KeyError. Now the released mean is numpy's mean of the three survivors' uploads, within the
     quantisation bound."""
-    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
+    from pipeline.federation.protocol import ARRAYS_KEY, METRICS_KEY
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import (
         SecureAggregator,
@@ -676,11 +685,7 @@ def test_a_client_lost_before_its_shares_and_one_lost_at_the_masked_vector_leave
     app.train()(lambda msg, context: legacy_fit(msg, context, local))
     grid = InProcessGrid(app, [{"client-name": names_[n]} for n in nodes])
     _set_server_identity(grid.run.run_id)
-    global_ = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
-    msgs = [
-        Message(RecordDict({ARRAYS_KEY: global_, CONFIG_KEY: ConfigRecord({})}), dst_node_id=n, message_type="train")
-        for n in nodes
-    ]
+    msgs = _train_messages(nodes)
     rows = _secure_rows(names_.values())
     secure = SecureAggregator(SecAggConfig(), max_weight=1, timeout=5.0)
     np.random.seed(0)
