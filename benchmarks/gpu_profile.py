@@ -14,7 +14,7 @@ the real MiniLM-L6 BERT2BERT with random cross-attention: a speed measurement), 
 3. the same round under ``torch.profiler`` (CPU and CUDA activities): the top operations by device and by host time,
    the device's busy time against the wall time;
 4. the same round under ``cProfile``: the Python functions the host time goes to;
-5. one client's evaluation (Academic's test examples, beam 4) with the stage's ``generate_summaries`` at the old
+5. one client's evaluation (Academic's test examples, beam 4) with the stage's ``generate_per_run`` at the old
    decoding batch (8, under ``torch.profiler``) and at the study's (64);
 6. ``torch.mm`` rates of the device in float32 and bfloat16, and ``benchmarks/flops.py``'s FLOPs of the round: the
    floor the round is compared with.
@@ -213,12 +213,10 @@ def _evaluator(work: Path, plan, mcfg):
 
     from pipeline.modeling.adapters import adapter_file, load_adapter
     from pipeline.modeling.model import AdapterSummarizer, adapter_config
-    from pipeline.results.evaluation import EvaluateConfig, generate_summaries
+    from pipeline.results.evaluation import EvaluateConfig, generate_per_run
 
     model = AdapterSummarizer.from_pretrained(str(work / "models" / "backbone"), adapter_config(mcfg))
-    model.load_adapter_state(
-        "local", load_adapter(adapter_file(work / "models" / plan.experiment / "clients" / "Academic", "best"))
-    )
+    adapter = load_adapter(adapter_file(work / "models" / plan.experiment / "clients" / "Academic", "best"))
     test = json.loads((work / "data" / "partitions" / "domain" / "seed0.json").read_text())["clients"]["Academic"]
     frame = pd.read_parquet(work / "data" / "processed" / "examples.parquet").set_index("example_id")
     sources = frame.loc[test["test"], "source"].tolist()
@@ -226,7 +224,7 @@ def _evaluator(work: Path, plan, mcfg):
     def evaluate(batch: int, n: int | None) -> int:
         chosen = sources[:n]
         cfg = EvaluateConfig(num_beams=4, batch_size=batch)
-        generate_summaries(model, chosen, cfg, mcfg.max_source_length, f"eval batch {batch}")
+        generate_per_run(model, [adapter], [chosen], cfg, mcfg.max_source_length, f"eval batch {batch}")
         return len(chosen)
 
     return evaluate
@@ -456,7 +454,7 @@ def markdown(
     if evals:
         lines += [
             "",
-            "Evaluation (Academic's test set, beam 4, `generate_summaries` as the evaluate stage calls it):",
+            "Evaluation (Academic's test set, beam 4, `generate_per_run` as the evaluate stage calls it):",
             "",
         ]
         lines += ["| decoding batch | examples | wall s | examples/s |", "|---|---|---|---|"]
