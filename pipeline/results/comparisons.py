@@ -85,12 +85,12 @@ def shared_ids(frame: pd.DataFrame) -> dict[str, list[str]]:
     return {c: shared for c, shared in ids.items() if shared}
 
 
-def client_rows(frames: Iterable[pd.DataFrame], client: str, ids: list[str]) -> list[pd.DataFrame]:
-    """One client's examples ``ids``, in that order, one frame per seed."""
-    return [f[f["client"] == client].set_index("example_id").loc[ids] for f in frames]
+def client_rows(frame: pd.DataFrame, client: str, ids: list[str]) -> pd.DataFrame:
+    """One client's examples ``ids`` of one seed's ``frame``, in that order."""
+    return frame[frame["client"] == client].set_index("example_id").loc[ids]
 
 
-def stacked(rows: list[pd.DataFrame], column: str) -> np.ndarray:
+def stacked(rows: Iterable[pd.DataFrame], column: str) -> np.ndarray:
     """``column`` of one client's :func:`client_rows`, one row per frame (seed): [n_seeds, n_examples]."""
     return np.stack([f[column].to_numpy(dtype=float) for f in rows])
 
@@ -132,7 +132,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
 
     out = []
     runs_a, runs_b = (",".join(runs[s] for s in seeds) for runs in (seeds_a, seeds_b))
-    rows = {(s, c): client_rows([frames[s]], c, cids)[0] for s in seeds for c, cids in ids[s].items()}  # selected once
+    rows = {(s, c): client_rows(frames[s], c, cids) for s in seeds for c, cids in ids[s].items()}  # selected once
     complete = not any(lacking.values())
     for scope, scope_clients in [(c, [c]) for c in clients] + [(AVERAGE, clients)] * complete:
         flags = [x for c in scope_clients for x in same[c]]

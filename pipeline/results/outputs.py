@@ -214,17 +214,12 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
     ids = [comparisons.shared_ids(f) for f in frames]
     if not ids or not ids[0] or any(i.keys() != ids[0].keys() for i in ids):
         return None
+    rows = [[comparisons.client_rows(f, c, e) for c, e in i.items()] for f, i in zip(frames, ids)]  # seed, client
     if any(i != ids[0] for i in ids):
-        rows = [
-            [comparisons.client_rows([f], c, e)[0]["avg_rouge"].to_numpy(float) for c, e in i.items()]
-            for f, i in zip(frames, ids)
-        ]
-        r = nested_interval(rows, cfg, [meetings(i.values()) for i in ids], paired=False)
-    else:
-        per_client = [
-            comparisons.stacked(comparisons.client_rows(frames, c, e), "avg_rouge") for c, e in ids[0].items()
-        ]
-        r = mean_interval(per_client, cfg, meetings(ids[0].values()))
+        scores = [[client["avg_rouge"].to_numpy(float) for client in seed] for seed in rows]
+        r = nested_interval(scores, cfg, [meetings(i.values()) for i in ids], paired=False)
+    else:  # the same clients and examples every seed: per client, its seeds' rows
+        r = mean_interval([comparisons.stacked(c, "avg_rouge") for c in zip(*rows)], cfg, meetings(ids[0].values()))
     return r.low, r.high
 
 
