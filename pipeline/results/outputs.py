@@ -233,16 +233,14 @@ def headline_metrics(
     # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
     # by label only where the study holds several configurations of one method.
     methods = main.groupby("label")["method"].first()
-    repeated = set(methods[methods.duplicated(keep=False)])
+    keys = methods.where(~methods.duplicated(keep=False), methods.index.str.replace(" ", "_"))
     for label, grp in main.groupby("label", sort=True):
-        method = methods.get(label)
-        key = str(method) if method is not None and method not in repeated else str(label).replace(" ", "_")
-        entry: dict[str, Any] = {key: round(float(grp[f"{col}_mean"].mean()), 4) for key, col in HEADLINE_ROUGE.items()}
+        entry: dict[str, Any] = {k: round(float(grp[f"{col}_mean"].mean()), 4) for k, col in HEADLINE_ROUGE.items()}
         interval = intervals.get(label)
         if interval is not None:
             entry["avg_rouge_low"], entry["avg_rouge_high"] = (round(float(v), 4) for v in interval)
         entry["clients"] = {str(c): round(float(v), 4) for c, v in zip(grp["client"], grp["avg_rouge_mean"])}
-        out.setdefault(HEADLINE_STUDY, {})[key] = entry
+        out.setdefault(HEADLINE_STUDY, {})[str(keys[label])] = entry
     usage = {
         str(c): round(float(v["kd_usage_ratio"]), 4)
         for c, v in sorted(kd_analysis.get("clients", {}).items())
