@@ -213,22 +213,18 @@ def centralized_step_ratios(
     for n training examples (each run's batch_size and grad_accum_steps: ``trains``, its plan's `train` by name),
     from the train records of the main study's lowest seed that has both an AdaCentralized and an AdaSingle record
     (() when none has)."""
-    runs: dict[tuple[int, str], tuple[dict[str, Any], dict[str, Any]]] = {}
+    steps: dict[tuple[int, str], dict[str, int]] = {}  # (seed, method): each client's optimizer steps a round
     for p in planned:
         path = train_dir / p.name / "metrics.json"
         if p.study == "main" and p.method in ("centralized", "single") and path.is_file():
-            runs[(int(p.seed), p.method)] = read_json(path, "train metrics").get("clients") or {}, trains[p.name]
-    seeds = sorted(s for s, m in runs if m == "centralized" and (s, "single") in runs)
+            t, clients = trains[p.name], read_json(path, "train metrics").get("clients") or {}
+            steps[(int(p.seed), p.method)] = {
+                c: math.ceil(math.ceil(int(rec["n_train_examples"]) / t["batch_size"]) / t["grad_accum_steps"])
+                for c, rec in clients.items()
+                if rec.get("n_train_examples")
+            }
+    seeds = sorted(s for s, m in steps if m == "centralized" and (s, "single") in steps)
     if not seeds:
         return ()
-
-    def steps(method: str, client: str) -> int:
-        clients, t = runs[(seeds[0], method)]
-        return math.ceil(math.ceil(int(clients[client]["n_train_examples"]) / t["batch_size"]) / t["grad_accum_steps"])
-
-    (central, _), (local, _) = runs[(seeds[0], "centralized")], runs[(seeds[0], "single")]
-    return tuple(
-        (client, steps("centralized", client) / steps("single", client))
-        for client in sorted(set(central) & set(local))
-        if central[client].get("n_train_examples") and local[client].get("n_train_examples")
-    )
+    central, local = steps[(seeds[0], "centralized")], steps[(seeds[0], "single")]
+    return tuple((client, central[client] / local[client]) for client in sorted(central.keys() & local.keys()))
