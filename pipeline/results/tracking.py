@@ -217,10 +217,8 @@ class RunLogger:
         self._monitor = None
         self.datasets: dict[str, dict[str, Any]] = {}  # the clients' splits as MLflow datasets, by client and split
         self.train_sizes: dict[str, int] = {}
-        children = self._client.search_runs(
-            [self._client.get_run(run_id).info.experiment_id],
-            filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'",
-        )
+        self.exp_id = self._client.get_run(run_id).info.experiment_id
+        children = self._client.search_runs([self.exp_id], f"tags.`{PARENT_TAG}` = '{run_id}'")
         self.children = {r.data.tags["client"]: r.info.run_id for r in children if "client" in r.data.tags}
         # each client's LoggedModel (its best adapter; the newest when a resumed run logged it again)
         self.models = {r.data.tags["client"]: r.data.tags[MODEL_TAG] for r in children if MODEL_TAG in r.data.tags}
@@ -328,13 +326,12 @@ class RunLogger:
         tags = {k: str(plan[k]) for k in ("experiment", "method", "partition", "seed", "study")}
         adapters = {f.parent.name: f for f in sorted((model_dir / "clients").glob("*/adapter_best.safetensors"))}
         adapters |= {"global": global_adapter} if global_adapter is not None else {}
-        exp_id = self._client.get_run(self.run_id).info.experiment_id
         for client, adapter in adapters.items():
             name, source = f"{plan['experiment']}-{client}", self.children.get(client, self.run_id)
-            found = self._client.search_logged_models([exp_id], f"name = '{name}' AND source_run_id = '{source}'")
+            found = self._client.search_logged_models([self.exp_id], f"name = '{name}' AND source_run_id = '{source}'")
             [model, *_] = [m for m in found if m.status == "PENDING"] or [  # a killed attempt's: finished, not doubled
                 self._client.create_logged_model(
-                    exp_id, name=name, source_run_id=source, tags=tags | {"client": client}
+                    self.exp_id, name=name, source_run_id=source, tags=tags | {"client": client}
                 )
             ]
             self._client.log_model_artifact(model.model_id, str(adapter), f"adapters/{client}")
