@@ -278,10 +278,8 @@ class RunLogger:
                     ],
                 )
         if tags.get("experiment"):
-            for run in client.search_runs(
-                [exp_id],
-                filter_string=f"tags.experiment = '{tags['experiment']}' and attributes.status = 'RUNNING'",
-            ):
+            running = f"tags.experiment = '{tags['experiment']}' and attributes.status = 'RUNNING'"
+            for run in client.search_runs([exp_id], running):
                 if run.info.run_id != logger.run_id and not owner_alive(run.data.tags):
                     end_if_running(
                         run.info.run_id, "marked KILLED at the next start of the experiment: its process was gone"
