@@ -126,17 +126,11 @@ class LocalhostRun:
     output: str
 
 
-def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
-    """``--run-config`` / ``--node-config`` text: space-separated TOML key=value pairs Flower's parser reads back."""
-
-    def toml(v: str | int | float | bool) -> str:
-        if isinstance(v, (int, float)):  # a bool too
-            return str(v).lower() if isinstance(v, bool) else repr(v)
-        if "'" in (s := str(v)) and '"' in s:
-            raise FederationError(f"run/node config value {s!r}: Flower cannot read a value with both ' and \"")
-        return json.dumps(s, ensure_ascii=False) if "'" in s else f"'{s}'"
-
-    return " ".join(f"{k}={toml(v)}" for k, v in values.items())
+def write_config_toml(path: Path, values: dict[str, str | int | float | bool]) -> str:
+    """A run config or node config file as Flower reads one (``flwr run --run-config F.toml``, ``flower-supernode
+    --node-config F.toml``: any value comes back as given); JSON's strings, numbers and booleans are TOML's too."""
+    atomic.write_text(path, "".join(f"{k} = {json.dumps(v, ensure_ascii=False)}\n" for k, v in values.items()))
+    return str(path)
 
 
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> None:
@@ -188,7 +182,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
-        node_config = run_config_arg({"client-name": name, "plan": self.cfg.plan})
+        node_config = write_config_toml(self.home / f"node-{name}.toml", {"client-name": name, "plan": self.cfg.plan})
         argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST]
         argv += ["--port", str(free_port()), "--node-config", node_config]
         if name in self.keys:  # SuperNode authentication: its private key
@@ -240,7 +234,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         for path in [pyproject, *(p for pattern in include for p in REPO_ROOT.glob(pattern))]:
             (copy := app / path.relative_to(REPO_ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, copy)
-        run_config = run_config_arg({"plan": self.cfg.plan, **self.run_config})
+        run_config = write_config_toml(self.home / "run_config.toml", {"plan": self.cfg.plan, **self.run_config})
         argv = ["flwr", "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
