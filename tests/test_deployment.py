@@ -585,9 +585,9 @@ def test_the_local_command_stops_its_processes_on_a_hangup_and_a_second_signal_d
 
 @pytest.mark.timeout(60)
 def test_a_stream_that_stops_on_an_error_leaves_no_thread_traceback(tmp_path, monkeypatch, capsys):
-    """The run's output is pumped by a thread into its log; a stream that raised (run timeout, the SuperLink gone,
-    Ctrl-C) closed the log while `flwr run` kept printing until stopped: the thread died with 'ValueError: I/O
-    operation on closed file', a traceback printed beside the one-line error."""
+    """A stream that raised (run timeout, the SuperLink gone, Ctrl-C) while `flwr run` kept printing until stopped
+    leaves no thread traceback beside the one-line error (when a thread pumped the output into the log, it died with
+    'ValueError: I/O operation on closed file'; the stream reads the run's log now)."""
     import threading
 
     from pipeline.federation import localhost, processes
@@ -597,7 +597,7 @@ def test_a_stream_that_stops_on_an_error_leaves_no_thread_traceback(tmp_path, mo
     monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
     group = processes.ProcessGroup(tmp_path / "logs", {"PATH": "/usr/bin:/bin"}, stop_timeout_s=2)
     printing = "import time\nwhile True: print('round', flush=True); time.sleep(0.01)"
-    run = group.start("flwr-run", [sys.executable, "-c", printing], tmp_path, capture=True)
+    run = group.start("flwr-run", [sys.executable, "-c", printing], tmp_path)
     fed = object.__new__(localhost.LocalhostFederation)  # only what stream() reads
     fed.cfg, fed.superlink = localhost.LocalhostConfig(plan="p.json", run_timeout_s=1), None
     monkeypatch.setattr(fed, "_resume_hint", lambda: "no round was checkpointed", raising=False)
