@@ -262,7 +262,7 @@ def test_each_supernode_logs_to_its_own_file_whatever_the_other_clients_names(ws
     assert names == [f"supernode-{n}" for n in expected]
 
 
-def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, tmp_path):
+def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, tmp_path, capsys):
     """The SuperLink is killed and `flwr run` exits at once (before the next poll): the run stops with the round a
     rerun resumes at, whichever process is seen gone first."""
     import subprocess
@@ -275,13 +275,14 @@ def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, t
     superlink, run = (subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE) for _ in range(2))
     superlink.wait(), run.wait()  # both gone before stream() looks
     fed.superlink = Process("superlink", superlink, tmp_path / "superlink.log")
-    (tmp_path / "run.log").touch()  # the run's log, as ProcessGroup.start opens it
+    (tmp_path / "run.log").write_text("round 1\n")  # the run's log, as ProcessGroup.start opens it
     with pytest.raises(
         FederationError,
         match=r"the SuperLink stopped during the run \(status 0\); no round was "
         r"checkpointed",
     ):
         fed.stream(Process("flwr-run", run, tmp_path / "run.log"))
+    assert capsys.readouterr().out == "round 1\n"  # what the run wrote is shown before the error
 
 
 def test_the_stream_echoes_and_returns_only_this_runs_output(tmp_path, capsys):

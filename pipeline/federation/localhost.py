@@ -244,14 +244,14 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         echo = codecs.getincrementaldecoder("utf-8")("replace")  # a character may be cut between two reads
         with open(run.log, "rb") as log:
             log.seek(run.offset)
-            while True:  # the SuperLink first: a run that ends because the SuperLink died must not pass for finished
+            while True:  # its end counts only while the SuperLink lives: a run ended by its death is not finished
+                ended = not run.alive()
+                print(echo.decode(log.read(), final=ended), end="", flush=True)  # once ended: all it wrote
                 if self.superlink is not None and not self.superlink.alive():
                     raise FederationError(
                         f"the SuperLink stopped during the run (status "
                         f"{self.superlink.popen.returncode}); {self._resume_hint()}"
                     )
-                ended = not run.alive()
-                print(echo.decode(log.read(), final=ended), end="", flush=True)  # once ended: all it wrote
                 if ended:
                     break
                 if time.monotonic() > deadline:
