@@ -585,9 +585,9 @@ def test_the_local_command_stops_its_processes_on_a_hangup_and_a_second_signal_d
 
 @pytest.mark.timeout(60)
 def test_a_stream_that_stops_on_an_error_leaves_no_thread_traceback(tmp_path, monkeypatch, capsys):
-    """The run's output is pumped by a thread into its log; a stream that raised (run timeout, the SuperLink gone,
-    Ctrl-C) closed the log while `flwr run` kept printing until stopped: the thread died with 'ValueError: I/O
-    operation on closed file', a traceback printed beside the one-line error."""
+    """A stream that raised (run timeout, the SuperLink gone, Ctrl-C) while `flwr run` kept printing until stopped
+    leaves no thread traceback beside the one-line error (when a thread pumped the output into the log, it died with
+    'ValueError: I/O operation on closed file'; the stream reads the run's log now)."""
     import threading
 
     from pipeline.federation import localhost, processes
@@ -597,7 +597,7 @@ def test_a_stream_that_stops_on_an_error_leaves_no_thread_traceback(tmp_path, mo
     monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
     group = processes.ProcessGroup(tmp_path / "logs", {"PATH": "/usr/bin:/bin"}, stop_timeout_s=2)
     printing = "import time\nwhile True: print('round', flush=True); time.sleep(0.01)"
-    run = group.start("flwr-run", [sys.executable, "-c", printing], tmp_path, capture=True)
+    run = group.start("flwr-run", [sys.executable, "-c", printing], tmp_path)
     fed = object.__new__(localhost.LocalhostFederation)  # only what stream() reads
     fed.cfg, fed.superlink = localhost.LocalhostConfig(plan="p.json", run_timeout_s=1), None
     monkeypatch.setattr(fed, "_resume_hint", lambda: "no round was checkpointed", raising=False)
@@ -644,12 +644,15 @@ def test_xdist_keeps_a_group_on_one_worker(tmp_path):
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
     from pipeline.federation.cli import _parse_run_config
-    from pipeline.federation.localhost import run_config_arg, write_connection
+    from pipeline.federation.localhost import write_config_toml, write_connection
     from pipeline.federation.tls import Certificates
 
     values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
     assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}
-    assert run_config_arg(values) == "mlflow=false evaluate-every=2 params='deploy.yaml' plan='m/p.json'"
+    written = write_config_toml(tmp_path / "run_config.toml", values)
+    assert (
+        Path(written).read_text() == 'mlflow = false\nevaluate-every = 2\nparams = "deploy.yaml"\nplan = "m/p.json"\n'
+    )
     import tomllib
 
     write_connection(tmp_path / "a", 8123, None)
@@ -662,17 +665,17 @@ def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
     assert tls["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:9", "root-certificates": str(ca.resolve())}
 
 
-def test_a_run_config_value_with_a_quote_space_or_equals_reaches_flower_as_it_is():
+def test_a_run_config_value_with_a_quote_space_or_equals_reaches_flower_as_it_is(tmp_path):
     """Flower 1.41 reads --run-config / --node-config with its own parser (flwr.common.config.parse_config_args):
-    each value must come back as given, an apostrophe in a path included (it was dropped: 'oneil')."""
+    each value must come back as given, an apostrophe in a path included (it was dropped: 'oneil'), and one with
+    both quotes (refused while the values went as key=value text, which Flower's pattern cannot quote)."""
     from flwr.common.config import parse_config_args
 
-    from pipeline.federation.localhost import FederationError, run_config_arg
+    from pipeline.federation.localhost import write_config_toml
 
     values = {"plan": "sites/o'neil kit/p.json", "decoding": '{"num_beams": 2}', "client-name": "a=b c", "n": 2}
-    assert parse_config_args([run_config_arg(values)]) == values
-    with pytest.raises(FederationError, match="both"):
-        run_config_arg({"plan": 'it\'s "x"'})
+    values |= {"both": 'it\'s "x"', "name": "Zoë \\ 😀", "x": 0.25, "on": True}
+    assert parse_config_args([write_config_toml(tmp_path / "c.toml", values)]) == values
 
 
 def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws):

@@ -247,7 +247,7 @@ def test_each_supernode_logs_to_its_own_file_whatever_the_other_clients_names(ws
 
     fed = LocalhostFederation(LocalhostConfig(plan=write_plan("log-names", "fedavg"), clients=["A-1", "AB", "A"]))
 
-    def start(name, argv, cwd, capture=False):
+    def start(name, argv, cwd):
         fed.procs.procs.append(proc := Process(name, None, fed.procs.log_dir / f"{name}.log"))
         return proc
 
@@ -262,7 +262,7 @@ def test_each_supernode_logs_to_its_own_file_whatever_the_other_clients_names(ws
     assert names == [f"supernode-{n}" for n in expected]
 
 
-def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, tmp_path):
+def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, tmp_path, capsys):
     """The SuperLink is killed and `flwr run` exits at once (before the next poll): the run stops with the round a
     rerun resumes at, whichever process is seen gone first."""
     import subprocess
@@ -275,12 +275,38 @@ def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, t
     superlink, run = (subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE) for _ in range(2))
     superlink.wait(), run.wait()  # both gone before stream() looks
     fed.superlink = Process("superlink", superlink, tmp_path / "superlink.log")
+    (tmp_path / "run.log").write_text("round 1\n")  # the run's log, as ProcessGroup.start opens it
     with pytest.raises(
         FederationError,
         match=r"the SuperLink stopped during the run \(status 0\); no round was "
         r"checkpointed",
     ):
         fed.stream(Process("flwr-run", run, tmp_path / "run.log"))
+    assert capsys.readouterr().out == "round 1\n"  # what the run wrote is shown before the error
+
+
+def test_the_stream_echoes_and_returns_only_this_runs_output(tmp_path, capsys):
+    """`flwr run` writes to its log, appended to an earlier run's: the stream echoes and returns this run's output
+    only (not the earlier run id), a character whole though the run wrote it in two parts a poll apart."""
+    import sys
+
+    from pipeline.federation.localhost import RUN_ID, LocalhostConfig, LocalhostFederation
+    from pipeline.federation.processes import ProcessGroup
+
+    group = ProcessGroup(tmp_path / "logs", {"PATH": "/usr/bin:/bin"}, stop_timeout_s=2)
+    (tmp_path / "logs" / "flwr-run.log").write_text("Successfully started run 1\n")
+    split = "import sys, time\nout = sys.stdout.buffer\nout.write(b'Zo\\xc3'); out.flush(); time.sleep(0.6)\n"
+    run = group.start(
+        "flwr-run", [sys.executable, "-c", split + "out.write(b'\\xab\\nSuccessfully started run 2\\n')"], tmp_path
+    )
+    fed = object.__new__(LocalhostFederation)  # only what stream() reads
+    fed.cfg, fed.superlink, fed.home = LocalhostConfig(plan="p.json", run_timeout_s=30), None, tmp_path
+    try:
+        streamed = fed.stream(run)
+    finally:
+        group.stop_all()
+    assert streamed.output == "Zoë\nSuccessfully started run 2\n" == capsys.readouterr().out
+    assert streamed.returncode == 0 and RUN_ID.search(streamed.output).group(1) == "2"
 
 
 def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, monkeypatch, capsys):
@@ -383,7 +409,7 @@ def test_flwr_run_is_given_a_folder_that_builds_the_checkouts_fab(ws, monkeypatc
 
     fed = LocalhostFederation(LocalhostConfig(plan=write_plan("app-folder", "fedavg", rounds=1)))
     started = []
-    monkeypatch.setattr(fed.procs, "start", lambda name, argv, cwd, capture=False: started.append(argv))
+    monkeypatch.setattr(fed.procs, "start", lambda name, argv, cwd: started.append(argv))
     fed.submit()
     app = Path(started[0][2])
     assert app != REPO_ROOT and app.is_dir()

@@ -5,6 +5,7 @@ side is imported inside the functions that need it: `python -m pipeline.federati
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import json
@@ -13,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -126,17 +126,11 @@ class LocalhostRun:
     output: str
 
 
-def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
-    """``--run-config`` / ``--node-config`` text: space-separated TOML key=value pairs Flower's parser reads back."""
-
-    def toml(v: str | int | float | bool) -> str:
-        if isinstance(v, (int, float)):  # a bool too
-            return str(v).lower() if isinstance(v, bool) else repr(v)
-        if "'" in (s := str(v)) and '"' in s:
-            raise FederationError(f"run/node config value {s!r}: Flower cannot read a value with both ' and \"")
-        return json.dumps(s, ensure_ascii=False) if "'" in s else f"'{s}'"
-
-    return " ".join(f"{k}={toml(v)}" for k, v in values.items())
+def write_config_toml(path: Path, values: dict[str, str | int | float | bool]) -> str:
+    """A run config or node config file as Flower reads one (``flwr run --run-config F.toml``, ``flower-supernode
+    --node-config F.toml``: any value comes back as given); JSON's strings, numbers and booleans are TOML's too."""
+    atomic.write_text(path, "".join(f"{k} = {json.dumps(v, ensure_ascii=False)}\n" for k, v in values.items()))
+    return str(path)
 
 
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> None:
@@ -188,7 +182,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
-        node_config = run_config_arg({"client-name": name, "plan": self.cfg.plan})
+        node_config = write_config_toml(self.home / f"node-{name}.toml", {"client-name": name, "plan": self.cfg.plan})
         argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST]
         argv += ["--port", str(free_port()), "--node-config", node_config]
         if name in self.keys:  # SuperNode authentication: its private key
@@ -232,7 +226,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             self.wait_registered(proc)
 
     def submit(self) -> Process:
-        """``flwr run <app> <connection> --stream --run-config ...``, output captured; <app> holds the FAB's files only:
+        """``flwr run <app> <connection> --stream --run-config ...``, logged; <app> holds the FAB's files only:
         Flower walks every file under it before it filters them (a checkout's .venv: ~66k files, ~3.5 s CPU a run)."""
         app, pyproject = self.home / "app", REPO_ROOT / "pyproject.toml"
         shutil.rmtree(app, ignore_errors=True)
@@ -240,31 +234,25 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         for path in [pyproject, *(p for pattern in include for p in REPO_ROOT.glob(pattern))]:
             (copy := app / path.relative_to(REPO_ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, copy)
-        run_config = run_config_arg({"plan": self.cfg.plan, **self.run_config})
+        run_config = write_config_toml(self.home / "run_config.toml", {"plan": self.cfg.plan, **self.run_config})
         argv = ["flwr", "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
-        return self.procs.start("flwr-run", argv, self.workdir, capture=True)
+        return self.procs.start("flwr-run", argv, self.workdir)
 
     def stream(self, run: Process) -> LocalhostRun:
-        """Echo the run's output until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
-        lines: list[str] = []
-        with open(run.log, "a", encoding="utf-8") as log:
-
-            def pump() -> None:  # ends quietly when the log is closed: the stream ended or raised (Ctrl-C, a timeout)
-                with contextlib.suppress(ValueError):  # "I/O operation on closed file": a thread's traceback before
-                    for line in (raw.decode(errors="replace") for raw in run.popen.stdout):
-                        lines.append(line)
-                        print(line, end="", file=log, flush=True)
-                        print(line, end="", flush=True)
-
-            (reader := threading.Thread(target=pump, daemon=True)).start()
-            deadline = time.monotonic() + self.cfg.run_timeout_s
-            while True:  # the SuperLink first: a run that ends because the SuperLink died must not pass for finished
+        """Echo the run's output (its log) until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
+        deadline = time.monotonic() + self.cfg.run_timeout_s
+        echo = codecs.getincrementaldecoder("utf-8")("replace")  # a character may be cut between two reads
+        with open(run.log, "rb") as log:
+            log.seek(run.offset)
+            while True:  # its end counts only while the SuperLink lives: a run ended by its death is not finished
+                ended = not run.alive()
+                print(echo.decode(log.read(), final=ended), end="", flush=True)  # once ended: all it wrote
                 if self.superlink is not None and not self.superlink.alive():
                     raise FederationError(
                         f"the SuperLink stopped during the run (status "
                         f"{self.superlink.popen.returncode}); {self._resume_hint()}"
                     )
-                if not run.alive():
+                if ended:
                     break
                 if time.monotonic() > deadline:
                     raise FederationError(
@@ -272,8 +260,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
                         f"(--run-timeout); {self._resume_hint()}"
                     )
                 time.sleep(0.2)
-            reader.join(timeout=5)
-        return LocalhostRun(run.popen.returncode, self.home, "".join(lines))
+        output = run.log.read_bytes()[run.offset :].decode(errors="replace")
+        return LocalhostRun(run.popen.returncode, self.home, output)
 
     def failed(self, what: str) -> FederationError:
         """The error of a run that ended with ``what``: where its logs are and where a rerun starts."""

@@ -44,10 +44,10 @@ class ProcessGroup:
         log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop_all)  # a group not stopped yet is stopped at interpreter exit, whatever happened
 
-    def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
+    def start(self, name: str, argv: list[str], cwd: Path) -> Process:
         log = self.log_dir / f"{name}.log"
         offset = log.stat().st_size if log.exists() else 0
-        with contextlib.nullcontext(subprocess.PIPE) if capture else open(log, "ab") as out:  # the child has its own fd
+        with open(log, "ab") as out:  # the child has its own fd
             stdio = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT}
             popen = subprocess.Popen(argv, cwd=cwd, env=self.env, start_new_session=True, **stdio)
         self.procs.append(proc := Process(name, popen, log, offset=offset))
