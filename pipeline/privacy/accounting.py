@@ -163,9 +163,6 @@ class ClientPrivacy:
     delta: float
     accountant: str
 
-    def bound_after(self, steps: int) -> tuple[float, str]:
-        return bound(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
-
 
 def client_privacy(plan, n_examples: int, where: str = "") -> ClientPrivacy:
     """Mode example: sigma, q and delta of a client of n training examples under ``plan`` (its logical batch is
