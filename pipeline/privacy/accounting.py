@@ -58,14 +58,6 @@ def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, w
         ) from None
 
 
-def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> float:
-    """z_u, the updates' noise multiplier, so that with the clipped count's std sigma_b the pair is a Gaussian
-    mechanism of (z_u^-2 + sigma_b^-2)^-1/2 = z: Flower's 0/1 norm bits have sensitivity 1, not Andrew et al.'s 1/2."""
-    if noise_multiplier == 0:
-        return 0.0
-    return (noise_multiplier**-2 - count_stddev**-2) ** -0.5
-
-
 @dataclass(frozen=True)
 class FederationPrivacy:
     """Client-level DP of a federated run: DP-FedAvg (McMahan et al. 2018), composed once per round."""
@@ -112,7 +104,9 @@ def federation_privacy(
                 f"privacy.clipped_count_stddev > it (now {count_stddev:.4g}; null = sampled clients "
                 f"/ 20): the count's noise alone must not exceed the budget"
             )
-        z_u = adaptive_update_multiplier(z, count_stddev)
+        # z_u, the updates' own, so that with the count's sigma_b the pair is a Gaussian mechanism of
+        # (z_u^-2 + sigma_b^-2)^-1/2 = z: Flower's 0/1 norm bits have sensitivity 1, not Andrew et al.'s 1/2
+        z_u = 0.0 if z == 0 else (z**-2 - count_stddev**-2) ** -0.5
     norm = cfg.clipping_norm if cfg.clipping_norm is not None else 0.1  # adaptive: Andrew et al.'s initial C
     return FederationPrivacy(z, z_u, count_stddev, float(norm), population, sampled, delta, cfg.accountant)
 
@@ -168,9 +162,6 @@ class ClientPrivacy:
     steps_per_epoch: int
     delta: float
     accountant: str
-
-    def bound_after(self, steps: int) -> tuple[float, str]:
-        return bound(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
 
 
 def client_privacy(plan, n_examples: int, where: str = "") -> ClientPrivacy:

@@ -113,9 +113,7 @@ class ClientLevelDP(Strategy):
             fraction = float(clipped_count + noise) / float(m)
             self.clipping_norm *= math.exp(self.cfg.clip_norm_lr * (fraction - self.cfg.target_clipped_quantile))
         mean = mean or self._arrays  # nobody in the sum: W and the noise (an unchanged W tells the sample was empty)
-        if not mean:
-            return mean
-        if aggregated not in (m, 0) and self._arrays is not None:
+        if aggregated not in (m, 0):
             k, arrays = aggregated, zip(mean.to_numpy_ndarrays(), self._arrays.to_numpy_ndarrays())
             mean = _record(mean.keys(), [(w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype) for a, w in arrays])
         if (z := self.setting.update_noise_multiplier) == 0:

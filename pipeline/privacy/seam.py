@@ -130,7 +130,8 @@ def account(context, result) -> dict[str, float | int]:
         return {}
     total = (dp_steps(context) or 0) + int(result.n_steps)
     restore_dp_steps(context, total)
-    values = vars(result) | vars(setting) | {"epsilon": setting.bound_after(total)[0], "dp_steps": total}
+    eps = bound(setting.noise_multiplier, setting.sample_rate, total, setting.delta, setting.accountant)[0]
+    values = vars(result) | vars(setting) | {"epsilon": eps, "dp_steps": total}
     return {
         key: -1.0 if values[field] == math.inf else kind(values[field]) for key, (field, kind) in DP_METRICS.items()
     }
