@@ -39,7 +39,7 @@ ALLOWED = {
     # write the temporary that atomic.replacing yields
     ("training/checkpoints.py", "torch.save({**checkpoint_identity(plan)"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
-    ("federation/processes.py", 'with contextlib.nullcontext(subprocess.PIPE) if capture else open(log, "ab")'),
+    ("federation/processes.py", 'with open(log, "ab") as out:'),
     ("federation/localhost.py", 'with open(run.log, "a", encoding="utf-8") as log:'),
 }
 
