@@ -40,7 +40,6 @@ ALLOWED = {
     ("training/checkpoints.py", "torch.save({**checkpoint_identity(plan)"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
     ("federation/processes.py", 'with open(log, "ab") as out:'),
-    ("federation/localhost.py", 'with open(run.log, "a", encoding="utf-8") as log:'),
 }
 
 
