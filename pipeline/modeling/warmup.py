@@ -64,13 +64,11 @@ def build_bert2bert(encoder_dir: Path):
     return model, tokenizer
 
 
-def init_cross_attention_from_self(model) -> int:
-    """Copy each decoder layer's self-attention (q, k, v, output dense and LayerNorm) into its cross-attention;
-    returns the number of layers copied. Both blocks have the same shapes in BERT (hidden -> hidden)."""
-    layers = model.decoder.bert.encoder.layer
-    for layer in layers:  # the same parameter names in both blocks; load_state_dict copies the values
+def init_cross_attention_from_self(model) -> None:
+    """Copy each decoder layer's self-attention (q, k, v, output dense and LayerNorm) into its cross-attention. Both
+    blocks have the same parameter names and shapes in BERT (hidden -> hidden): load_state_dict copies the values."""
+    for layer in model.decoder.bert.encoder.layer:
         layer.crossattention.load_state_dict(layer.attention.state_dict())
-    return len(layers)
 
 
 @config
