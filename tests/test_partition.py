@@ -613,12 +613,19 @@ def test_noniid_balanced_sizes_without_a_split_are_named_at_the_params_not_a_key
 
 @pytest.mark.parametrize(
     "content",
-    [{}, {"clients": ["Academic"]}, {"clients": {"Academic": [1, 2]}}, {"clients": {"Academic": {"valid": []}}}],
-    ids=["no-clients", "clients-a-list", "splits-a-list", "no-train-split"],
+    [
+        {},
+        {"clients": ["Academic"]},
+        {"clients": {"Academic": [1, 2]}},
+        {"clients": {"Academic": {"valid": []}}},
+        {"clients": {"Academic": {"train": [1], "test": []}}},
+    ],
+    ids=["no-clients", "clients-a-list", "splits-a-list", "no-train-split", "no-valid-split"],
 )
 def test_a_partition_file_without_its_clients_splits_is_one_line_naming_it(tmp_path, content):
     """A partition file edited by hand or written by another tool: no `clients` mapping of client -> {train, valid,
-    test} ended in a KeyError/AttributeError traceback in training and the deployed evaluation."""
+    test} ended in a KeyError/AttributeError traceback in training and the deployed evaluation (without a valid
+    split: KeyError 'valid' where the client's frames are made and where its node identifies)."""
     from pipeline.common.schema import DataError
     from pipeline.training.client_data import read_partition
 

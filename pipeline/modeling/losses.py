@@ -71,14 +71,9 @@ class LossOutput:
     n_tokens: int  # non-padding target tokens
     threshold: float | torch.Tensor = float("nan")  # what the gate compared with (log_base units; a quantile: a tensor)
 
-    @property
-    def n_kd(self) -> int:
-        """Gated tokens."""
-        return int(self.gate_rows.sum())
-
     def means(self, n_kd: int) -> torch.Tensor:
-        """[the loss, mean CE, mean KL over the ``n_kd`` gated tokens (:attr:`n_kd`, read already; 0 when none)] where
-        they were computed, with no host sync: the gated rows' indices are sized on the host."""
+        """[the loss, mean CE, mean KL over the ``n_kd`` gated tokens (``gate_rows.sum()``, read already; 0 when none)]
+        where they were computed, with no host sync: the gated rows' indices are sized on the host."""
         kd = self.kl_rows.index_select(0, torch.nonzero_static(self.gate_rows, size=n_kd).squeeze(1))
         return torch.stack((self.loss.detach().float(), self.ce_rows.mean(), kd.mean() if n_kd else kd.sum()))
 

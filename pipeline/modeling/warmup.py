@@ -64,13 +64,11 @@ def build_bert2bert(encoder_dir: Path):
     return model, tokenizer
 
 
-def init_cross_attention_from_self(model) -> int:
-    """Copy each decoder layer's self-attention (q, k, v, output dense and LayerNorm) into its cross-attention;
-    returns the number of layers copied. Both blocks have the same shapes in BERT (hidden -> hidden)."""
-    layers = model.decoder.bert.encoder.layer
-    for layer in layers:  # the same parameter names in both blocks; load_state_dict copies the values
+def init_cross_attention_from_self(model) -> None:
+    """Copy each decoder layer's self-attention (q, k, v, output dense and LayerNorm) into its cross-attention. Both
+    blocks have the same parameter names and shapes in BERT (hidden -> hidden): load_state_dict copies the values."""
+    for layer in model.decoder.bert.encoder.layer:
         layer.crossattention.load_state_dict(layer.attention.state_dict())
-    return len(layers)
 
 
 @config
@@ -198,9 +196,8 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
         src = tokenizer.pad({"input_ids": [enc[i].tolist() for i in idx]}, return_tensors="pt")
         tgt = tokenizer.pad({"input_ids": [dec[i].tolist() for i in idx]}, return_tensors="pt")["input_ids"]
         # teacher forcing: decoder input = [CLS] y_1..y_{T-1}; labels = y_1..y_T ([SEP]); both come from the
-        # tokenised summary "[CLS] y [SEP]", shifted by one.
-        labels = tgt[:, 1:].clone()
-        labels[labels == pad] = -100
+        # tokenised summary "[CLS] y [SEP]", shifted by one; padding -100, cross_entropy's default ignore_index.
+        labels = tgt[:, 1:].masked_fill(tgt[:, 1:] == pad, -100)
         dec_in = tgt[:, :-1]
         with autocast_ctx(device, wc.bf16):
             out = model(
@@ -209,11 +206,8 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
                 decoder_input_ids=dec_in.to(device),
                 decoder_attention_mask=(dec_in != pad).to(device),
             )
-        logits = out.logits.float()
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(device), ignore_index=-100
-        )
-        del out, logits  # backward does not need the logits: batch x target x vocab floats freed before it
+        loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten().to(device))
+        del out  # backward does not need the logits: batch x target x vocab floats freed before it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -191,9 +191,9 @@ def keep_best_and_final(
     return progress, is_best
 
 
-def publish_outputs(plan: Plan) -> Path:
+def publish_outputs(plan: Plan) -> None:
     """Copy a finished run's outputs from its run directory into ``models/<exp>/``, replacing what was there as a
-    whole; returns that directory. The caller removes the run directory: a kill before that publishes again."""
+    whole. The caller removes the run directory: a kill before that publishes again."""
     source, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
 
     def run_only(directory: str, names: list[str]) -> set[str]:
@@ -206,4 +206,3 @@ def publish_outputs(plan: Plan) -> Path:
     tmp = atomic.temp_dir_for(target)
     shutil.copytree(source, tmp, ignore=run_only, dirs_exist_ok=True)
     atomic.replace_dir(tmp, target)
-    return target

@@ -35,7 +35,8 @@ def read_partition(path: str | Path, client: str | None = None) -> dict[str, Any
     p = Path(path)
     raw = read_json(p, "partition file (stage `partition`)")
     clients = raw.get("clients")
-    if not isinstance(clients, dict) or not all(isinstance(s, dict) and "train" in s for s in clients.values()):
+    entries = clients.values() if isinstance(clients, dict) else [None]  # test ids are read where present
+    if not all(isinstance(s, dict) and {"train", "valid"} <= s.keys() for s in entries):
         raise DataError(f"{p}: no 'clients' mapping of each client to its train, valid and test ids")
     for name, splits in clients.items():  # train, valid and test lists: the partition stage writes them
         if not splits["train"]:

@@ -83,15 +83,13 @@ def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
+def log_missing_rounds(logger, history: list[dict[str, Any]]) -> None:
     """Log the rounds of ``history`` the MLflow run lacks: a kill between a round's checkpoint and its logging
-    leaves that round to the resumed run, which does not train it again. Returns the rounds logged."""
+    leaves that round to the resumed run, which does not train it again."""
     logged = {m.step for m in logger.metric_history(ROUND_METRIC)}
     rounds = by_round(history)
-    missing = sorted(set(rounds) - logged)
-    for rnd in missing:
+    for rnd in sorted(set(rounds) - logged):
         logger.log_metrics(round_metrics(rounds[rnd]), step=rnd)
-    return missing
 
 
 def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
