@@ -158,17 +158,14 @@ def client_summary(
 
 def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:
     """Per client: mean and std over seeds of each metric, from (experiment, per-client scores or None) runs."""
-    per_client: dict[str, list[tuple[str, dict[str, float]]]] = {}  # client -> (experiment, its scores) per seed
-    for name, scores in runs:
-        for client, s in (scores or {}).items():
-            per_client.setdefault(client, []).append((name, s))
+    rows = [(name, client, *(s[m] for m in METRICS)) for name, scores in runs for client, s in (scores or {}).items()]
     return {
         client: {
-            "n_seeds": len(v),
-            "experiments": [name for name, _ in v],
-            **{k: {m: mean_std([s[m] for _, s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
+            "n_seeds": len(g),
+            "experiments": list(g["experiment"]),
+            **{k: {m: mean_std(g[m])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
         }
-        for client, v in per_client.items()
+        for client, g in pd.DataFrame(rows, columns=["experiment", "client", *METRICS]).groupby("client", sort=False)
     }
 
 
