@@ -205,8 +205,7 @@ def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame
     summary = (
         per_run.groupby(["tau_scale", "client", "tau"])
         .agg(**{c: (c, "mean") for c in ("avg_rouge", "kd_usage_ratio", *SWEEP_POS)}, n_seeds=("seed", "nunique"))
-        .reset_index()
-        .sort_values(["tau_scale", "client", "tau"])
+        .reset_index()  # sorted by its keys (groupby's sort)
     )
     # Only thresholds in nats share an axis; the portable gates (a fraction of ln|V|, a quantile) are
     # reported beside them, never drawn on the same tau axis.
