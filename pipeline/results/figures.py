@@ -37,11 +37,9 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     shown = data.assign(label=[f"{lab} (n={int(n)})" for lab, n in zip(data["label"], data["n_seeds"])])
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
-        clients, bars = list(dict.fromkeys(d["client"])), list(dict.fromkeys(d["label"]))
-        width = 0.8 / max(len(bars), 1)
-        for j, bar in enumerate(bars):
-            # the bar's first row per client, at the client's place on the x axis
-            r = d[d["label"] == bar].drop_duplicates("client")
+        clients, width = list(dict.fromkeys(d["client"])), 0.8 / max(d["label"].nunique(), 1)
+        for j, (bar, r) in enumerate(d.groupby("label", sort=False)):
+            r = r.drop_duplicates("client")  # the bar's first row per client, at the client's place on the x axis
             xs = [clients.index(c) - 0.4 + width * (j + 0.5) for c in r["client"]]
             ax.bar(xs, r["avg_rouge_mean"], width, yerr=r["avg_rouge_std"].fillna(0.0), label=str(bar), capsize=2)
             if paper_xy := [(x, p) for x, p in zip(xs, r["paper_avg_rouge"]) if not math.isnan(p)]:

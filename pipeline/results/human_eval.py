@@ -280,18 +280,14 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
             outcome = "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss")
             judged.append((entry.opponent, entry.domain, outcome))
             per_file[f.name] += 1
-    counts, outcomes = Counter(judged), Counter((o, r) for o, _, r in judged)
-    opponents = sorted({o for o, _, _ in judged})
+    frame = pd.DataFrame(judged, columns=["opponent", "domain", "outcome"])
+    # win / tie / loss counts per (opponent, domain), sorted: per opponent, and per opponent and domain
+    tally = pd.crosstab([frame["opponent"], frame["domain"]], frame["outcome"])
+    tally = tally.reindex(columns=list(OUTCOMES), fill_value=0)
     return {
         "target": data["target"],
-        "opponents": {
-            o: {r: outcomes[(o, r)] for r in OUTCOMES} | {"n": sum(outcomes[(o, r)] for r in OUTCOMES)}
-            for o in opponents
-        },
-        "by_domain": {
-            o: {d: {r: counts[(o, d, r)] for r in OUTCOMES} for d in sorted({d for oo, d, _ in judged if oo == o})}
-            for o in opponents
-        },
+        "opponents": tally.groupby(level=0).sum().assign(n=lambda t: t.sum(axis=1)).to_dict("index"),
+        "by_domain": {o: t.droplevel(0).to_dict("index") for o, t in tally.groupby(level=0)},
         "unjudged": unjudged,
         "judged_per_file": per_file,
     }

@@ -158,17 +158,14 @@ def client_summary(
 
 def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:
     """Per client: mean and std over seeds of each metric, from (experiment, per-client scores or None) runs."""
-    per_client: dict[str, list[tuple[str, dict[str, float]]]] = {}  # client -> (experiment, its scores) per seed
-    for name, scores in runs:
-        for client, s in (scores or {}).items():
-            per_client.setdefault(client, []).append((name, s))
+    rows = [(name, client, *(s[m] for m in METRICS)) for name, scores in runs for client, s in (scores or {}).items()]
     return {
         client: {
-            "n_seeds": len(v),
-            "experiments": [name for name, _ in v],
-            **{k: {m: mean_std([s[m] for _, s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
+            "n_seeds": len(g),
+            "experiments": list(g["experiment"]),
+            **{k: {m: mean_std(g[m])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
         }
-        for client, v in per_client.items()
+        for client, g in pd.DataFrame(rows, columns=["experiment", "client", *METRICS]).groupby("client", sort=False)
     }
 
 
@@ -208,8 +205,7 @@ def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame
     summary = (
         per_run.groupby(["tau_scale", "client", "tau"])
         .agg(**{c: (c, "mean") for c in ("avg_rouge", "kd_usage_ratio", *SWEEP_POS)}, n_seeds=("seed", "nunique"))
-        .reset_index()
-        .sort_values(["tau_scale", "client", "tau"])
+        .reset_index()  # sorted by its keys (groupby's sort)
     )
     # Only thresholds in nats share an axis; the portable gates (a fraction of ln|V|, a quantile) are
     # reported beside them, never drawn on the same tau axis.

@@ -175,18 +175,17 @@ def main_table_markdown(
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
-    for label, t in table.groupby("label", sort=False):
-
-        def cell(client: str, metric: str, what: str, t=t) -> str:
-            r = t[(t["client"] == client) & (t["metric"] == metric)]
-            if r.empty:
-                return "missing"
-            r = r.iloc[0]
-            if what == "ours":
-                return fmt(r["ours_mean"], r["ours_std"], r["n_seeds"])
-            missing = pd.isna(r["paper"]) or pd.isna(r[what])  # what: "paper" or "diff"
-            return "–" if missing else f"{r[what]:{'+.2f' if what == 'diff' else '.2f'}}"
-
+    # each (client, metric)'s cells as printed: ours, the paper's and ours − paper ('–' where the paper has none)
+    printed = table.assign(
+        ours=[fmt(*r) for r in zip(table["ours_mean"], table["ours_std"], table["n_seeds"])],
+        paper=["–" if pd.isna(p) else f"{p:.2f}" for p in table["paper"]],
+        diff=["–" if pd.isna(d) else f"{d:+.2f}" for d in table["diff"]],
+    )
+    grid = pd.MultiIndex.from_product([clients, metrics])  # a client's metric without a row: 'missing'
+    for label, t in printed.groupby("label", sort=False):
+        cells = (
+            t.drop_duplicates(["client", "metric"]).set_index(["client", "metric"]).reindex(grid, fill_value="missing")
+        )
         row, mark = t.iloc[0], row_mark(converged, "main", label, None)  # the row's seeds, method and its paper name
         seed_text = f"{row['n_seeds']}" + (f" ({row['seeds']})" if row["seeds"] else "")
         seed_text += f", missing {row['missing_seeds']}" if row["missing_seeds"] else ""
@@ -196,9 +195,7 @@ def main_table_markdown(
             [("", "paper", "paper", ""), ("", "ours − paper", "diff", "")] if key else []
         )
         for first, kind, what, last in rows:
-            lines.append(
-                "| " + " | ".join([first, kind, *[cell(c, m, what) for c in clients for m in metrics], last]) + " |"
-            )
+            lines.append("| " + " | ".join([first, kind, *cells[what], last]) + " |")
     if budget := convergence_note(converged, ["main"], set(table["label"])):
         lines += ["", budget + f" ({MARK} k/n after the seeds: client-runs of that method.)"]
     lines.append(comparisons.markdown_section(compared, "main", bootstrap))
