@@ -6,13 +6,11 @@ bounds are checked wherever a KDConfig is built, so at planning time); ``catalog
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -40,10 +38,3 @@ def register_gate(name: str, settings: type | None = None):
         return gate
 
     return register
-
-
-def token_entropy(logits: torch.Tensor, log_base: str = "e") -> torch.Tensor:
-    """H(softmax(logits)) over the last dimension, in nats ("e") or bits ("2")."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    h = -(logp.exp() * logp).sum(dim=-1)
-    return h / math.log(2.0) if str(log_base) == "2" else h
