@@ -54,8 +54,8 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
     overrides = {k: v for k, v in raw.items() if k not in ENTRY_KEYS and k != PRIVACY_KEY}
     if unknown := sorted(set(overrides) - train_fields):
         raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a "
-            f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
+            f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a mapping from "
+            f"{file}'s privacy keys to the entry's values) and the train keys {sorted(train_fields)}"
         )
     check_run_keys(overrides, where)  # its run-time keys: left out of its plan, its train stage reads them
     reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
