@@ -198,7 +198,7 @@ CASES = [
         [],
         "experiments.fedavg-domain.method",
         "fedx",
-        r"experiments.fedavg-domain.method: unknown method 'fedx'; expected one of \['centralized'",
+        r"experiments.fedavg-domain.method='fedx' is out of range; allowed: one of 'centralized', 'fedavg', ",
     ),
     (
         "plan",
