@@ -243,12 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("dest", help="folder to write into (e.g. reports/privacy/study)")
     export.add_argument("paths", nargs="*", help="its outputs or git files; globs allowed; SRC=TARGET renames")
     args = ap.parse_args(argv)
-    params = load_params(args.params)
     if args.command == "export":
         written = export_experiment(args.experiment, args.dest, args.paths)
         print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
         return 0
     if args.command in ("show", "check"):
+        params = load_params(args.params)  # run_commands reads its own
         for path in [args.preset] if args.command == "show" else args.presets:
             preset = load_preset(path)
             validate(preset, params, path, args.params)
