@@ -19,7 +19,7 @@ from pipeline.experiments.entries import Experiment, Inherited, privacy_label
 from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_strategy
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
-from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, RunSettings
+from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, check_run_keys
 from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
 from pipeline.federation.strategies.catalog import BUILDERS
 from pipeline.modeling.cache import DTYPES
@@ -54,9 +54,10 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
     overrides = {k: v for k, v in raw.items() if k not in ENTRY_KEYS and k != PRIVACY_KEY}
     if unknown := sorted(set(overrides) - train_fields):
         raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a "
-            f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
+            f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a mapping from "
+            f"{file}'s privacy keys to the entry's values) and the train keys {sorted(train_fields)}"
         )
+    check_run_keys(overrides, where)  # its run-time keys: left out of its plan, its train stage reads them
     reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
     tau, train = raw.get("tau"), group(params, "train", file) | overrides  # the entry's train keys win
     entry = {k: raw[k] for k in ("method", "partition", "study") if k in raw} | {
@@ -82,7 +83,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
 def declared(params: dict[str, Any], file: str = "params.yaml") -> list[Experiment]:
     """Every experiment of the params ``file``, in its order, each checked (the first bad entry raises, naming it)."""
     train = group(params, "train", file)  # what entries inherit, first: RunSettings' keys and TrainConfig's
-    from_dict(RunSettings, {k: v for k, v in train.items() if k in RUN_TRAIN_KEYS}, f"{file} train")
+    check_run_keys(train, f"{file} train")
     train_config({k: v for k, v in train.items() if k not in RUN_TRAIN_KEYS}, f"{file} train")
     from_dict(Inherited, {key: params[key] for key in ("seed", "tau") if key in params}, file, sep=" ")
     return [parse_entry(name, raw, params, file) for name, raw in group(params, "experiments", file).items()]
@@ -128,8 +129,6 @@ def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.ya
     method, where = get_method(exp.method), f"{file} experiments.{exp.name}"
     t = group(params, "train", file)  # an entry's mappings (stop, join, fedopt) merge key by key, like privacy.secagg
     merged = t | {k: t[k] | v if isinstance(v, dict) and type(t.get(k)) is dict else v for k, v in exp.train.items()}
-    # run-time keys left out (run_settings), the entry's checked here: its train stage reads them
-    from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"{where} train")
     if train.kd_gate not in GATES:
         at = f"{where}: train" if "kd_gate" in exp.train else f"{file} train"  # the entry's own, else params'

@@ -66,10 +66,10 @@ def apply_preset(params: dict[str, Any], preset: dict[str, Any]) -> dict[str, An
     return _set_params(params, overrides(preset))
 
 
-def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
-    """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (one by one, so
-    every unknown key is named), else what the plan stage refuses of each experiment entry (its partition one the
-    partition stage produces among them)."""
+def problems(preset: dict[str, Any], params: dict[str, Any], file: str = "params.yaml") -> list[str]:
+    """Every problem of ``preset`` against ``params`` (read from ``file``, which the problems name; empty = valid):
+    each override Hydra refuses (one by one, so every unknown key is named), else what the plan stage refuses of
+    each experiment entry (its partition one the partition stage produces among them)."""
     from dvc.exceptions import InvalidArgumentError  # lazy: `show` starts without DVC
 
     from pipeline.planning import check_params  # lazy: the other commands start without torch
@@ -77,7 +77,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
 
     groups = {key.rsplit(".", n)[0] for key in flatten(params) for n in range(1, key.count(".") + 1)}
     found = [  # YAML null (every key commented out) would replace params.yaml's group whole: its defaults planned
-        f"{key}: null where params.yaml has a mapping (every key commented out?); name its keys or leave it out"
+        f"{key}: null where {file} has a mapping (every key commented out?); name its keys or leave it out"
         for key, value in flatten(preset, whole=REPLACED_WHOLE).items()
         if value is None and key in groups
     ]
@@ -93,20 +93,20 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
                     causes.append(" ".join(str(exc).split()))
                     exc = exc.__cause__
                 unknown = any("not in struct" in c for c in causes)
-                found.append(f"{key}: unknown key (params.yaml has no {key})" if unknown else f"{key}: {causes[-1]}")
+                found.append(f"{key}: unknown key ({file} has no {key})" if unknown else f"{key}: {causes[-1]}")
         return found
     entries = applied.get("experiments")  # the preset's, else params.yaml's
     alone = [{name: entry} for name, entry in entries.items()] if isinstance(entries, dict) else []
     for each in alone or [entries]:  # each entry alone, as the plan stage checks it: every bad one is named
         try:
-            check_client_plans(check_params(applied | {"experiments": each}))  # what the plan stage refuses
+            check_client_plans(check_params(applied | {"experiments": each}, file), file)  # the plan stage's refusals
         except ValueError as e:  # ConfigError among them
             found.append(str(e))
     return list(dict.fromkeys(found))  # a group the preset broke fails every entry alike: named once
 
 
-def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "preset") -> None:
-    if bad := problems(preset, params):
+def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "preset", file: str = "params.yaml") -> None:
+    if bad := problems(preset, params, file):
         raise PresetError(f"{source}: {len(bad)} problem(s): " + "; ".join(bad))
 
 
@@ -140,15 +140,15 @@ def overrides(preset: dict[str, Any]) -> list[str]:
 
 
 def run_commands(
-    preset_path: Path, params: dict[str, Any], name: str | None, by: str | None = None, flags: tuple[str, ...] = ()
+    preset_path: Path, params_file: str | Path, name: str | None, by: str | None = None, flags: tuple[str, ...] = ()
 ) -> list[list[str]]:
     """The ``dvc exp run`` commands (with ``flags``: ``--queue``, ``--temp``) that apply the preset, validated against
-    ``params`` (params.yaml's) first: each entry alone, so each part is valid too. With ``by``, a long preset as
-    several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``), named
-    ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which trains
-    nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
+    ``params_file`` (params.yaml, which DVC applies it to) first: each entry alone, so each part is valid too. With
+    ``by``, a long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
+    named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which
+    trains nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
     preset = load_preset(preset_path)
-    validate(preset, params, str(preset_path))
+    validate(preset, load_params(params_file), str(preset_path), str(params_file))
     parts = {}
     if by is not None:
         if not (entries := preset.get("experiments")):
@@ -243,22 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("dest", help="folder to write into (e.g. reports/privacy/study)")
     export.add_argument("paths", nargs="*", help="its outputs or git files; globs allowed; SRC=TARGET renames")
     args = ap.parse_args(argv)
-    params = load_params(args.params)
     if args.command == "export":
         written = export_experiment(args.experiment, args.dest, args.paths)
         print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
         return 0
     if args.command in ("show", "check"):
+        params = load_params(args.params)  # run_commands reads its own
         for path in [args.preset] if args.command == "show" else args.presets:
             preset = load_preset(path)
-            validate(preset, params, path)
+            validate(preset, params, path, args.params)
             found = overrides(preset)
             print("\n".join(found) if args.command == "show" else f"{path}: ok ({len(found)} overrides)")
         return 0
     if args.parts and not args.name:
         raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
     flags = tuple(flag for flag in ("--queue", "--temp") if getattr(args, flag[2:]))
-    for cmd in run_commands(args.preset, params, args.name, args.parts, flags):
+    for cmd in run_commands(args.preset, args.params, args.name, args.parts, flags):
         print(shlex.join(cmd), flush=True)
         if not args.dry_run and (status := subprocess.call(cmd)) != 0:
             return status

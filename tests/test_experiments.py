@@ -179,6 +179,20 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
     assert "experiments.x" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_an_entrys_unknown_key_says_what_its_privacy_key_holds_naming_the_file_read():
+    """Its allowed keys said 'privacy (a mapping of params.yaml privacy keys)': a set of keys, of ./params.yaml
+    whatever file was read."""
+    from pipeline.planning import declared
+
+    params = _params()
+    params["experiments"] = {"x": {"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}}
+    with pytest.raises(ConfigError) as err:
+        declared(params, "study/params.yaml")
+    assert "'study', 'tau'], privacy (a mapping from study/params.yaml's privacy keys to the entry's values) and " in (
+        str(err.value)
+    )
+
+
 def test_resolve_plan_names_the_params_file_of_a_train_group_not_a_mapping():
     """resolve_plan, called alone (benchmarks/engine.py, scale.py), reads params' train group: a non-mapping is
     named in the file it was given, not in ./params.yaml."""

@@ -218,8 +218,8 @@ def test_a_client_level_dp_entry_the_plan_stage_refuses_is_a_problem():
 @pytest.mark.parametrize(
     "text, named",
     [  # a scalar where the partition stage reads a list; a list of entries where params.yaml has a mapping
-        ("partition:\n  seeds: 1\n", "params.yaml partition.seeds: expected a list, got int 1"),
-        ("experiments:\n  - fedavg\n", "params.yaml experiments: expected a mapping of keys, got list ['fedavg']"),
+        ("partition:\n  seeds: 1\n", "partition.seeds: expected a list, got int 1"),
+        ("experiments:\n  - fedavg\n", "experiments: expected a mapping of keys, got list ['fedavg']"),
     ],
 )
 def test_a_group_of_the_wrong_shape_is_one_line_naming_it_not_a_traceback(tmp_path, capsys, text, named):
@@ -228,7 +228,24 @@ def test_a_group_of_the_wrong_shape_is_one_line_naming_it_not_a_traceback(tmp_pa
     path = write(tmp_path, text)
     assert run_cli(pr.main, ["--params", str(ROOT / "params.yaml"), "check", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {path}: 1 problem(s): {named}\n"
+    assert err == f"error: {path}: 1 problem(s): {ROOT / 'params.yaml'} {named}\n"  # the --params file
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [  # a key the params file lacks, a group nulled, an entry the plan stage refuses
+        ("tau:\n  a: 1\n", "tau.a: unknown key ({params} has no tau.a)"),
+        ("tau: 4.0\ntrain:\n  # rounds: 5\n", "train: null where {params} has a mapping (every key commented out?)"),
+        ("experiments:\n  x: {method: fedavg, partition: domain/seed9}\n", "{params} experiments.x.partition: "),
+    ],
+)
+def test_a_problem_names_the_params_file_checked_against(tmp_path, capsys, text, problem):
+    """`presets check --params other.yaml` said 'params.yaml has no tau.a' of the file it had read, other.yaml."""
+    (params := tmp_path / "study" / "other.yaml").parent.mkdir()
+    shutil.copy(ROOT / "params.yaml", params)
+    path = write(tmp_path, text)
+    assert run_cli(pr.main, ["--params", str(params), "check", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: 1 problem(s): {problem.format(params=params)}")
 
 
 # ---------------------------------------------------------------------------------------------- applying
@@ -327,7 +344,7 @@ def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
         "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
         "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n",
     )
-    cmds = pr.run_commands(preset, PARAMS, "study", "seed", ("--queue",))
+    cmds = pr.run_commands(preset, ROOT / "params.yaml", "study", "seed", ("--queue",))
     names = [c[c.index("--name") + 1] for c in cmds]
     assert names == ["study-seed0", "study-seed1", "study"]  # the whole comes last
     assert all("--queue" in c and "--set-param" in c and "tau=4.0" in c for c in cmds)
@@ -344,10 +361,13 @@ def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
     assert list(experiments_of(cmds[1])) == ["a-s1"] and list(experiments_of(cmds[2])) == ["a-s0", "b-s0", "a-s1"]
     with pytest.raises(pr.PresetError, match="same 'method'"):
         pr.run_commands(
-            write(tmp_path, "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"), PARAMS, "x", "method"
+            write(tmp_path, "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"),
+            ROOT / "params.yaml",
+            "x",
+            "method",
         )
     with pytest.raises(pr.PresetError, match="one of the experiments' keys"):
-        pr.run_commands(preset, PARAMS, "x", "lr")
+        pr.run_commands(preset, ROOT / "params.yaml", "x", "lr")
 
 
 @pytest.mark.slow

@@ -198,7 +198,7 @@ CASES = [
         [],
         "experiments.fedavg-domain.method",
         "fedx",
-        r"experiments.fedavg-domain.method: unknown method 'fedx'; expected one of \['centralized'",
+        r"experiments.fedavg-domain.method='fedx' is out of range; allowed: one of 'centralized', 'fedavg', ",
     ),
     (
         "plan",
@@ -432,6 +432,14 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
         # the partition group the plan stage reads (the partitions an entry may name, a plan's clients)
         ("plan", [], "partition.schemes", ["bogus"], r"partition.schemes: unknown value\(s\) \['bogus'\]; allowed: "),
         ("analyze", [], "seed", -1, r"seed=-1 is out of range; allowed: >= 0"),
+        # an entry's run-time key, checked where the entry is parsed (as the train group's is, above): analyze let it by
+        (
+            "analyze",
+            [],
+            "experiments.fedavg-domain.round_timeout_s",
+            -5,
+            r"experiments.fedavg-domain.round_timeout_s=-5 is out of range; allowed: > 0",
+        ),
         (
             "report",
             [],

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.common.config import NonNegativeInt, config, from_dict, group
-from pipeline.experiments.methods import get_method
+from pipeline.experiments.methods import METHODS, get_method
 from pipeline.experiments.privacy import PrivacyConfig
 from pipeline.experiments.train_config import LogBase, TauScale
 
@@ -32,7 +32,7 @@ class Experiment:
     whether its method reads tau), with its tau resolved as its plan has it."""
 
     name: str
-    method: str
+    method: Literal[tuple(sorted(METHODS))]  # type: ignore[valid-type]
     partition: str  # "<scheme>/seed<k>"
     seed: NonNegativeInt = 0  # numpy's generators (AdaCentralized's round window) refuse a negative seed
     study: str = "main"
@@ -43,11 +43,6 @@ class Experiment:
     privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `privacy`
     dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
     kd_gate: str = "entropy"  # selective KD's gate (tau its threshold; only "entropy" reads tau as an entropy)
-
-    @field_validator("method")
-    @classmethod
-    def _known_method(cls, method: str) -> str:
-        return get_method(method).name
 
     @field_validator("partition")
     @classmethod

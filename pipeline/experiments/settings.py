@@ -35,16 +35,19 @@ RUN_TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(RunSettings) if f.name
 RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 
 
+def check_run_keys(values: dict[str, Any], where: str) -> RunSettings:
+    """The run-time keys of ``values`` (a `train` group, an entry) as RunSettings; a bad one named ``where.key``."""
+    return from_dict(RunSettings, {k: v for k, v in values.items() if k in RUN_TRAIN_KEYS}, where)
+
+
 def run_settings(params: dict[str, Any], experiment: str | None = None, file: str = "params.yaml") -> RunSettings:
     """The run-time settings of the params ``file``, with ``experiment``'s own overrides of them (e.g.
     ``round_timeout_s``; a bad one is named as the entry's: ``<file> experiments.<name>.round_timeout_s``)."""
     own = (params.get("experiments") or {}).get(experiment) or {} if experiment is not None else {}
-    from_dict(RunSettings, {k: v for k, v in own.items() if k in RUN_TRAIN_KEYS}, f"{file} experiments.{experiment}")
-    train = group(params, "train", file) | own
+    check_run_keys(own, f"{file} experiments.{experiment}")
     model = group(params, "model", file)
     cache = from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, f"{file} model")
-    settings = {k: train[k] for k in RUN_TRAIN_KEYS if k in train} | {"cache": cache}
-    return from_dict(RunSettings, settings, f"{file} train")
+    return dataclasses.replace(check_run_keys(group(params, "train", file) | own, f"{file} train"), cache=cache)
 
 
 def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
