@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--name", help="override backbone.name")
-    ap.add_argument("--steps", type=int, help="override backbone.warmup.steps")
     ap.add_argument("--out", type=Path, default=PATHS.backbone)
     ap.add_argument("--report", type=Path, default=PATHS.backbone_report)
     ap.add_argument("--interim-dir", type=Path, default=PATHS.interim_dir)
@@ -61,8 +60,6 @@ def main(argv: list[str] | None = None) -> None:
     cfg, sep_token = load_config(load_params(args.params), args.params)
     if args.name:
         cfg.name = args.name
-    if args.steps is not None:
-        cfg.warmup.steps = args.steps
     with stage_timer("backbone"):
         record = resolve(cfg, sep_token, args.out, args.interim_dir, args.report, rouge_summary)
     ev = record["evaluation"] or {}

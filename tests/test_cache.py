@@ -208,8 +208,12 @@ def test_damaged_entry_is_counted_removed_and_recomputed_exactly(model, tmp_path
 
 def test_relative_cache_dir_is_shared_by_dvc_temporary_workspaces(tmp_path, monkeypatch):
     """A queued or --temp DVC experiment runs in <repo>/.dvc/tmp/exps/<tmp>/ with DVC_ROOT set there: a relative
-    model.cache_dir must still name <repo>/data/cache/prefix, the cache the workspace's runs filled."""
-    from pipeline.modeling.cache import resolve_root
+    model.cache_dir must still name <repo>/data/cache/prefix, the cache the workspace's runs filled (an absolute one:
+    itself)."""
+    from types import SimpleNamespace
+
+    from pipeline.experiments.settings import CacheConfig
+    from pipeline.training.shared_model import prefix_cache_for
 
     repo = tmp_path / "repo"
     temp = repo / ".dvc/tmp/exps/tmp8k2j"
@@ -217,8 +221,10 @@ def test_relative_cache_dir_is_shared_by_dvc_temporary_workspaces(tmp_path, monk
     monkeypatch.chdir(temp)
     monkeypatch.delenv("FEDMEET_ROOT", raising=False)
     monkeypatch.setenv("DVC_ROOT", str(temp))
-    assert resolve_root("data/cache/prefix") == repo.resolve() / "data/cache/prefix"
-    assert resolve_root(tmp_path / "elsewhere") == tmp_path / "elsewhere"
+    plan = SimpleNamespace(train=SimpleNamespace(prefix_cache=True), model_config=LENGTHS, cache_dtype=None)
+    model = SimpleNamespace(backbone_fingerprint="backbone")
+    for cache_dir, root in (("data/cache/prefix", repo.resolve() / "data/cache/prefix"), (tmp_path / "elsewhere",) * 2):
+        assert prefix_cache_for(plan, model, CacheConfig(cache_dir=str(cache_dir))).root == root
 
 
 def test_an_entry_read_once_stays_resident_and_leaves_memory_with_its_disk_file(model, tmp_path):

@@ -352,14 +352,16 @@ def test_a_missing_file_may_be_absent_exactly_when_its_split_key_is_allowed(data
     assert not allowed() and not allowed(key + "x") and not allowed(key.upper()) and not allowed("other/*/*")
 
 
-def test_the_data_root_is_the_environment_variable_else_the_parameter(monkeypatch):
-    cfg = IngestConfig(data_root="data/raw")
+def test_the_data_root_is_the_environment_variable_else_the_parameter(mirror, tmp_path, monkeypatch):
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy/qmsum").symlink_to(mirror / "qmsum")
+    cfg = IngestConfig(data_root=str(mirror), raw_dir=str(tmp_path / "raw"), urls={})
     monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
-    assert sources.data_root(cfg) == Path("data/raw")
+    assert resolve_source("qmsum", cfg) == mirror / "qmsum"
     monkeypatch.setenv(sources.ENV_DATA_ROOT, "")
-    assert sources.data_root(cfg) == Path("data/raw")
-    monkeypatch.setenv(sources.ENV_DATA_ROOT, "/mnt/copy")
-    assert sources.data_root(cfg) == Path("/mnt/copy")
+    assert resolve_source("qmsum", cfg) == mirror / "qmsum"
+    monkeypatch.setenv(sources.ENV_DATA_ROOT, str(tmp_path / "copy"))
+    assert resolve_source("qmsum", cfg) == tmp_path / "copy/qmsum"
 
 
 def test_an_incomplete_mirror_lists_five_missing_files_and_counts_them(mirror, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -542,8 +543,8 @@ def test_cluster_labels_recover_planted_clusters_whatever_the_seed(monkeypatch):
         assert len(set.union(*per_blob)) == 6, seed
 
 
-def test_the_leakage_guard_returns_how_many_it_moved_and_keeps_the_rest_in_order():
-    """Meetings M1 and M3 are in a test set: every train/valid example of them is excluded (and counted), by split."""
+def test_the_leakage_guard_excludes_what_it_moved_and_keeps_the_rest_in_order():
+    """Meetings M1 and M3 are in a test set: every train/valid example of them is excluded, by split."""
     part = Partition(
         clients={
             "a": {"train": ["x1", "x2", "x5"], "valid": ["x3"], "test": ["y1"]},
@@ -551,7 +552,7 @@ def test_the_leakage_guard_returns_how_many_it_moved_and_keeps_the_rest_in_order
         }
     )
     meeting_of = {"x1": "M1", "x2": "M2", "x3": "M1", "x4": "M1", "x5": "M4", "y1": "M3", "y2": "M3"}
-    assert partition_schemes.guard_leakage(part, meeting_of) == 3
+    partition_schemes.guard_leakage(part, meeting_of)
     assert part.clients["a"] == {"train": ["x2", "x5"], "valid": [], "test": ["y1"]}
     assert part.clients["b"] == {"train": [], "valid": [], "test": ["x4"]}
     assert part.excluded == {
@@ -559,7 +560,9 @@ def test_the_leakage_guard_returns_how_many_it_moved_and_keeps_the_rest_in_order
         "x3": "leakage guard: meeting in a test set (valid example)",
         "y2": "leakage guard: meeting in a test set (train example)",
     }
-    assert partition_schemes.guard_leakage(part, meeting_of) == 0  # nothing left to move
+    before = (copy.deepcopy(part.clients), dict(part.excluded))
+    partition_schemes.guard_leakage(part, meeting_of)
+    assert (part.clients, part.excluded) == before  # nothing left to move
 
 
 def test_assigned_lists_every_clients_splits_in_split_order_a_missing_split_holding_none():

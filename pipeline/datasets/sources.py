@@ -39,13 +39,9 @@ class IngestConfig:
     allow_absent_splits: list[str] = field(default_factory=list)
 
 
-def data_root(cfg: IngestConfig) -> Path:
-    return Path(os.environ.get(ENV_DATA_ROOT) or cfg.data_root)
-
-
 def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
     """The directory holding ``dataset`` in its upstream layout, downloading it if needed."""
-    mirror = data_root(cfg) / dataset
+    mirror = Path(os.environ.get(ENV_DATA_ROOT) or cfg.data_root) / dataset  # an empty variable: unset
     files = dataset_spec(dataset).files()  # relative to <root>/<dataset>/ -> split key
     if mirror.is_dir():
         if missing := [

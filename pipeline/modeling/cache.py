@@ -6,8 +6,8 @@ step, validation and experiment reuses them. ``<root>/<key>/<entry>.safetensors`
 fingerprint, max lengths, k, dtype and format version; the entry the example id and its token ids (so edited text
 never hits a stale entry). Entries are trimmed to the example's lengths, evicted least recently used (mtime) beyond
 ``max_bytes``, written to a temp file and renamed (concurrent workers see a whole file or none), and carry the
-sha256 of their tensors: a damaged entry is logged, deleted and recomputed. A relative ``root`` is under the project
-root (:func:`resolve_root`), so DVC's temporary experiment copies share one cache. float16/bfloat16 entries are
+sha256 of their tensors: a damaged entry is logged, deleted and recomputed. A relative cache_dir is under the project
+root (shared_model's), so DVC's temporary experiment copies share one cache. float16/bfloat16 entries are
 not exact. Once read (or computed), an entry stays resident on the model's device for the cache object's life
 (pipeline.training.shared_model keeps one per process), so later rounds neither read, hash nor touch it again (its
 recency is kept in memory: eviction by this process weighs it); an entry evicted from disk leaves memory too, so
@@ -30,7 +30,6 @@ from safetensors.torch import save_file
 from torch.nn.utils.rnn import pad_sequence
 
 from pipeline.common import atomic
-from pipeline.common.config import repo_root
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
 from pipeline.modeling.model import AdapterSummarizer, Prefix
 
@@ -38,12 +37,6 @@ FORMAT_VERSION = 2  # 2: entries carry a checksum (version-1 entries sit under a
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECKSUM_KEY = "sha256"
 log = logging.getLogger(__name__)
-
-
-def resolve_root(cache_dir: str | os.PathLike) -> Path:
-    """``model.cache_dir``: absolute as given, relative under the project root (pipeline.common.config.repo_root)."""
-    root = Path(cache_dir)
-    return root if root.is_absolute() else repo_root() / root
 
 
 def tensors_sha256(*tensors: torch.Tensor) -> str:

@@ -281,16 +281,13 @@ class PartitionConfig:
     domain_dirichlet: DomainDirichletConfig = field(default_factory=DomainDirichletConfig)
 
 
-def guard_leakage(part: Partition, meeting_of: dict[str, str]) -> int:
+def guard_leakage(part: Partition, meeting_of: dict[str, str]) -> None:
     """No meeting of any client's test set may appear in any client's train or valid set. QMSum Product/Academic and
     AMI/ICSI hold the same meetings under different splits, so a scheme mixing them would otherwise train on test
-    meetings. Offending train/valid examples are moved to ``excluded``. Returns the number excluded."""
+    meetings. Offending train/valid examples are moved to ``excluded``."""
     test_meetings = {meeting_of[i] for c in part.clients.values() for i in c["test"]}
-    n = 0
     for client in part.clients.values():
         for split in ("train", "valid"):
             leaked = [i for i in client[split] if meeting_of[i] in test_meetings]
             part.excluded.update(dict.fromkeys(leaked, f"leakage guard: meeting in a test set ({split} example)"))
             client[split] = [i for i in client[split] if meeting_of[i] not in test_meetings]
-            n += len(leaked)
-    return n

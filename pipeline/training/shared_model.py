@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.common.config import check_lengths
+from pipeline.common.config import check_lengths, repo_root
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import CacheConfig
-from pipeline.modeling.cache import PrefixCache, resolve_root
+from pipeline.modeling.cache import PrefixCache
 from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.training.seeds import derived_seed
 
@@ -54,7 +54,7 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
         return None
     # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
     args = (
-        resolve_root(cache.cache_dir),
+        repo_root() / cache.cache_dir,  # a relative model.cache_dir under the project root, an absolute one as given
         model.backbone_fingerprint,
         plan.model_config,
         plan.cache_dtype or "float32",
