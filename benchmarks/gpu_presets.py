@@ -173,7 +173,6 @@ def measure_preset(model, shape: dict[str, Any], precision: str, repeats: int) -
         "train_peak_gib": _peak_gib(),
     }
     return out | _decode(model, batch, autocast, shape["target_length"])
-    return out
 
 
 def _decode(model, batch, autocast, target: int) -> dict[str, Any]:

@@ -36,7 +36,6 @@ DEFAULT_STAGES = (
     "train@fedselectkd-domain",
     "evaluate@fedavg-domain",
 )
-PARTS = ("wall_seconds", "startup_seconds", "work_seconds", "exit_seconds", "peak_rss_mb")
 LOAD_PROBE = (
     "import time; t = time.perf_counter(); "
     "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer; i = time.perf_counter(); "

@@ -453,13 +453,6 @@ def plot(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def refit(path: Path) -> None:
-    """Recompute the fits of a written scale.json (after a change to ``summarise``) and rewrite its outputs."""
-    res = json.loads(path.read_text())
-    res["fits"] = summarise(res["points"], tuple(res["config"]["engines"]))
-    write(res, path.parent)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
