@@ -340,7 +340,7 @@ def test_run_settings_come_from_params_with_the_experiments_own_override():
 
 
 def test_plan_paths_come_from_the_path_table(tmp_path):
-    from pipeline.experiments.plans import plan_hash, read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.planning import check_params, declared, write_plans
 
     params = _params()
@@ -351,7 +351,7 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
         "examples": "data/processed/examples.parquet",
         "partition": "data/partitions/domain/seed0.json",
         "backbone": "models/backbone",
-        "out_dir": f"data/cache/runs/hardkd-domain-{plan_hash(hard)[:16]}",
+        "out_dir": f"data/cache/runs/hardkd-domain-{hard.hash[:16]}",
         "model_dir": "models/hardkd-domain",
         "reports_dir": "reports/train/hardkd-domain",
         "postags": "data/processed/postags.parquet",
@@ -364,7 +364,7 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
 def test_a_plan_whose_privacy_is_null_or_empty_reads_as_one_without_privacy(tmp_path, privacy):
     """A hand-edited plan with ``"privacy": null`` (or ``{}``) is a plan without privacy, read as the same plan with
     the key left out, not 'not a plan file (... multiple values for keyword argument 'privacy')'."""
-    from pipeline.experiments.plans import plan_hash, read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.planning import check_params, write_plans
 
     write_plans(check_params(_params()), tmp_path / "plans")
@@ -373,7 +373,7 @@ def test_a_plan_whose_privacy_is_null_or_empty_reads_as_one_without_privacy(tmp_
     (without := tmp_path / "without.json").write_text(json.dumps(raw))
     (edited := tmp_path / "edited.json").write_text(json.dumps(raw | {"privacy": privacy}))
     assert read_plan(edited).privacy is None
-    assert plan_hash(read_plan(edited)) == plan_hash(read_plan(without))
+    assert read_plan(edited).hash == read_plan(without).hash
 
 
 @pytest.mark.parametrize(
