@@ -128,7 +128,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.ya
     method, where = get_method(exp.method), f"{file} experiments.{exp.name}"
     t = group(params, "train", file)  # an entry's mappings (stop, join, fedopt) merge key by key, like privacy.secagg
     merged = t | {k: t[k] | v if isinstance(v, dict) and type(t.get(k)) is dict else v for k, v in exp.train.items()}
-    # run-time keys left out (run_settings), the entry's checked here: its train stage reads them
+    # run-time keys left out (load_run_settings), the entry's checked here: its train stage reads them
     from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"{where} train")
     if train.kd_gate not in GATES:

@@ -326,17 +326,19 @@ def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_se
         declared(params)
 
 
-def test_run_settings_come_from_params_with_the_experiments_own_override():
-    from pipeline.experiments.settings import run_settings
+def test_run_settings_come_from_params_with_the_experiments_own_override(tmp_path):
+    from pipeline.experiments.settings import load_run_settings
 
     params = _params(**{"train.round_timeout_s": 30, "model.cache_max_gb": 1.5})
     params["experiments"]["fedavg-domain"]["round_timeout_s"] = 90
-    assert run_settings(params, "fedavg-domain").round_timeout_s == 90
-    assert run_settings(params, "fedkd-domain").round_timeout_s == 30
-    s = run_settings(params)
+    (path := tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    assert load_run_settings(path, "fedavg-domain").round_timeout_s == 90
+    assert load_run_settings(path, "fedkd-domain").round_timeout_s == 30
+    s = load_run_settings(path)
     assert (s.round_timeout_s, s.cache.cache_max_gb) == (30, 1.5)
+    path.write_text(yaml.safe_dump(_params(**{"train.round_timeout_s": 0})))
     with pytest.raises(ConfigError, match="round_timeout_s"):
-        run_settings(_params(**{"train.round_timeout_s": 0}))
+        load_run_settings(path)
 
 
 def test_plan_paths_come_from_the_path_table(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 from pathlib import Path
-from typing import Any
 
 from pipeline.common.config import NonNegative, Positive, config, from_dict, group, load_params
 
@@ -35,9 +34,12 @@ RUN_TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(RunSettings) if f.name
 RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 
 
-def run_settings(params: dict[str, Any], experiment: str | None = None, file: str = "params.yaml") -> RunSettings:
-    """The run-time settings of the params ``file``, with ``experiment``'s own overrides of them (e.g.
-    ``round_timeout_s``; a bad one is named as the entry's: ``<file> experiments.<name>.round_timeout_s``)."""
+def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
+    """The run-time settings of the params file a stage entry point names (the train stage: the project's; the
+    federation commands: their ``--params``; a missing file is an error, load_params', never the defaults), with
+    ``experiment``'s own overrides of them (e.g. ``round_timeout_s``; a bad one is named as the entry's: ``<file>
+    experiments.<name>.round_timeout_s``)."""
+    params, file = load_params(params_path), str(params_path)
     own = (params.get("experiments") or {}).get(experiment) or {} if experiment is not None else {}
     from_dict(RunSettings, {k: v for k, v in own.items() if k in RUN_TRAIN_KEYS}, f"{file} experiments.{experiment}")
     train = group(params, "train", file) | own
@@ -45,9 +47,3 @@ def run_settings(params: dict[str, Any], experiment: str | None = None, file: st
     cache = from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, f"{file} model")
     settings = {k: train[k] for k in RUN_TRAIN_KEYS if k in train} | {"cache": cache}
     return from_dict(RunSettings, settings, f"{file} train")
-
-
-def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
-    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; the
-    federation commands: their ``--params``). A missing file is an error (load_params'), never the defaults."""
-    return run_settings(load_params(params_path), experiment, str(params_path))
