@@ -22,7 +22,7 @@ from typing import Any
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.timing import stage_name, stage_timer
-from pipeline.experiments.plans import Plan, plan_hash, read_plan, record_hash
+from pipeline.experiments.plans import Plan, read_plan, record_hash
 from pipeline.experiments.settings import RunSettings, load_run_settings
 from pipeline.federation.engines import run_federated
 from pipeline.paths import PATHS
@@ -38,7 +38,7 @@ from pipeline.training.summary import log_run_outputs, merge_gate_logs, prepare_
 def run_tags(plan: Plan) -> dict[str, str]:
     """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
     plan hash), so a run can be matched to its `dvc exp show` row."""
-    tags = run_identity_tags(plan, "inprocess" if plan.spec.federated else "none") | {"plan_hash": plan_hash(plan)}
+    tags = run_identity_tags(plan, "inprocess" if plan.spec.federated else "none") | {"plan_hash": plan.hash}
     return tags | git_state() | dvc_tags()
 
 
@@ -62,7 +62,7 @@ def run_experiment(
                 delete_run(run_id_file.read_text().strip(), unless_logged=ROUND_METRIC)
         # this plan's client-level DP releases (round 1's leave before its checkpoint) are redone afresh, counted again
         releases, record = checkpoints.checkpoint_dir(plan) / checkpoints.DP_RELEASES, out_dir / "experiment.json"
-        ours = releases.exists() and record.exists() and record_hash(json.loads(record.read_text())) == plan_hash(plan)
+        ours = releases.exists() and record.exists() and record_hash(json.loads(record.read_text())) == plan.hash
         kept = releases.read_text() if ours else None
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
         if kept is not None:

@@ -577,7 +577,6 @@ def test_told_the_run_starts_over_a_client_removes_an_earlier_runs_files_and_a_r
     resumed run, or of a restarted node during a run, keeps them, since they are this run's earlier rounds."""
     from flwr.app import ConfigRecord, Message
 
-    from pipeline.experiments.plans import plan_hash
     from pipeline.federation.client_app import DP_SENT, client_checkpoint_dir, client_dir, client_identify
     from pipeline.federation.protocol import CONFIG_KEY, PLAN_HASH, START_OVER
     from pipeline.modeling.adapters import adapter_file
@@ -589,7 +588,7 @@ def test_told_the_run_starts_over_a_client_removes_an_earlier_runs_files_and_a_r
     files = [out / "gate_log/round002.parquet", adapter_file(out, "final"), ckpt / "round001.json", ckpt / DP_SENT]
 
     def identify(start_over: bool) -> None:
-        hash_ = plan_hash(plan)  # the admission's message names the server's plan by its hash too
+        hash_ = plan.hash  # the admission's message names the server's plan by its hash too
         config = ConfigRecord(
             {"plan": f"models/plans/{plan.experiment}.json", START_OVER: start_over, PLAN_HASH: hash_}
         )
@@ -608,7 +607,6 @@ def test_a_node_of_another_experiment_told_to_start_over_keeps_its_runs_files(ws
     DP-SGD record and adapters, which B resumes from (docs/federation.md: an earlier run *of the plan*)."""
     from flwr.app import ConfigRecord, Message
 
-    from pipeline.experiments.plans import plan_hash
     from pipeline.federation.client_app import DP_SENT, client_checkpoint_dir, client_dir, client_identify
     from pipeline.federation.protocol import CONFIG_KEY, PLAN_HASH, START_OVER
     from pipeline.modeling.adapters import adapter_file
@@ -619,9 +617,7 @@ def test_a_node_of_another_experiment_told_to_start_over_keeps_its_runs_files(ws
     ckpt = client_checkpoint_dir(plan_b, "Academic", context)
     (ckpt / DP_SENT).write_text("[2, 3, 4]")
     files = [adapter_file(client_dir(plan_b, "Academic", context), "final"), ckpt / "round001.json", ckpt / DP_SENT]
-    config = ConfigRecord(
-        {"plan": f"models/plans/{plan_a.experiment}.json", START_OVER: True, PLAN_HASH: plan_hash(plan_a)}
-    )
+    config = ConfigRecord({"plan": f"models/plans/{plan_a.experiment}.json", START_OVER: True, PLAN_HASH: plan_a.hash})
     reply = client_identify(Message(RecordDict({CONFIG_KEY: config}), dst_node_id=7, message_type="query"), context)
     assert reply.content["identity"]["client-name"] == "Academic"
     assert [f for f in files if not f.exists()] == []

@@ -340,21 +340,23 @@ def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_se
         declared(params)
 
 
-def test_run_settings_come_from_params_with_the_experiments_own_override():
-    from pipeline.experiments.settings import run_settings
+def test_run_settings_come_from_params_with_the_experiments_own_override(tmp_path):
+    from pipeline.experiments.settings import load_run_settings
 
     params = _params(**{"train.round_timeout_s": 30, "model.cache_max_gb": 1.5})
     params["experiments"]["fedavg-domain"]["round_timeout_s"] = 90
-    assert run_settings(params, "fedavg-domain").round_timeout_s == 90
-    assert run_settings(params, "fedkd-domain").round_timeout_s == 30
-    s = run_settings(params)
+    (path := tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    assert load_run_settings(path, "fedavg-domain").round_timeout_s == 90
+    assert load_run_settings(path, "fedkd-domain").round_timeout_s == 30
+    s = load_run_settings(path)
     assert (s.round_timeout_s, s.cache.cache_max_gb) == (30, 1.5)
+    path.write_text(yaml.safe_dump(_params(**{"train.round_timeout_s": 0})))
     with pytest.raises(ConfigError, match="round_timeout_s"):
-        run_settings(_params(**{"train.round_timeout_s": 0}))
+        load_run_settings(path)
 
 
 def test_plan_paths_come_from_the_path_table(tmp_path):
-    from pipeline.experiments.plans import plan_hash, read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.planning import check_params, declared, write_plans
 
     params = _params()
@@ -365,7 +367,7 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
         "examples": "data/processed/examples.parquet",
         "partition": "data/partitions/domain/seed0.json",
         "backbone": "models/backbone",
-        "out_dir": f"data/cache/runs/hardkd-domain-{plan_hash(hard)[:16]}",
+        "out_dir": f"data/cache/runs/hardkd-domain-{hard.hash[:16]}",
         "model_dir": "models/hardkd-domain",
         "reports_dir": "reports/train/hardkd-domain",
         "postags": "data/processed/postags.parquet",
@@ -378,7 +380,7 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
 def test_a_plan_whose_privacy_is_null_or_empty_reads_as_one_without_privacy(tmp_path, privacy):
     """A hand-edited plan with ``"privacy": null`` (or ``{}``) is a plan without privacy, read as the same plan with
     the key left out, not 'not a plan file (... multiple values for keyword argument 'privacy')'."""
-    from pipeline.experiments.plans import plan_hash, read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.planning import check_params, write_plans
 
     write_plans(check_params(_params()), tmp_path / "plans")
@@ -387,7 +389,7 @@ def test_a_plan_whose_privacy_is_null_or_empty_reads_as_one_without_privacy(tmp_
     (without := tmp_path / "without.json").write_text(json.dumps(raw))
     (edited := tmp_path / "edited.json").write_text(json.dumps(raw | {"privacy": privacy}))
     assert read_plan(edited).privacy is None
-    assert plan_hash(read_plan(edited)) == plan_hash(read_plan(without))
+    assert read_plan(edited).hash == read_plan(without).hash
 
 
 @pytest.mark.parametrize(

@@ -930,13 +930,12 @@ def test_server_stops_waiting_for_clients_that_never_connect(ws):
     # a clear error after the admission timeout, naming the clients missing, not keep the server (and CI) waiting.
     from flwr.app import ConfigRecord, Message, RecordDict
 
-    from pipeline.experiments.plans import plan_hash
     from pipeline.federation.admission import AdmissionError, identify_clients
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import load_plan
 
     path = write_plan("never-connect", "fedavg", rounds=1)
-    identity = ConfigRecord({"client-name": "Academic", "plan-hash": plan_hash(load_plan(path))})
+    identity = ConfigRecord({"client-name": "Academic", "plan-hash": load_plan(path).hash})
 
     class OneNodeGrid:  # only one of the three planned clients ever connects
         def get_node_ids(self):

@@ -469,14 +469,17 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
             {"secure_aggregation": True, "secagg": {"reconstruction_threshold": 5}},
             r"experiments.fedavg-domain: privacy.secagg.reconstruction_threshold 5 > the 3 clients of a round's sum",
         ),
-        # FedAvg in the tau sweep reads no tau (Analysis.tau_sweep)
-        (
-            "analyze",
-            [],
-            "experiments.fedavg-domain.study",
-            "tau_sweep",
-            r"experiments.fedavg-domain: a tau-sweep experiment needs a tau",
-        ),
+        # FedAvg in the tau sweep reads no tau (Experiment's check): refused by planning, not first by analyze
+        *[
+            (
+                stage,
+                [],
+                "experiments.fedavg-domain.study",
+                "tau_sweep",
+                r"experiments.fedavg-domain: a tau-sweep experiment needs a tau",
+            )
+            for stage in ("plan", "analyze")
+        ],
         ("examples", [], "ingest.datasets", "qmsum", r"ingest.datasets: expected a list of dataset names, got 'qmsum'"),
         ("examples", [], "ingest", [5], r"ingest: expected a mapping of keys, got list \[5\]"),
         ("backbone", [], "ingest", [5], r"ingest: expected a mapping of keys, got list \[5\]"),

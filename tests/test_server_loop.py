@@ -76,7 +76,6 @@ def scripted_app(script: Script):
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    from pipeline.experiments.plans import plan_hash
     from pipeline.federation.protocol import decode_global, encode_reply, load_plan, plan_path_of
 
     app = ClientApp()
@@ -90,7 +89,7 @@ def scripted_app(script: Script):
     def identify(msg, context):
         if context.node_config["client-name"] is None:
             raise RuntimeError("no client name configured\n(a second line)")
-        own = plan_hash(load_plan(plan_path_of(msg, context)))  # the plan the node serves, as the ClientApp's
+        own = load_plan(plan_path_of(msg, context)).hash  # the plan the node serves, as the ClientApp's
         identity = ConfigRecord({"client-name": context.node_config["client-name"], "plan-hash": own})
         return Message(RecordDict({"identity": identity}), reply_to=msg)
 

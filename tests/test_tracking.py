@@ -107,7 +107,7 @@ def _git(cwd: Path, *args: str) -> str:
 
 
 def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
-    from pipeline.experiments.plans import plan_hash, read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.planning import check_params, write_plans
     from pipeline.results.tracking import dvc_tags, git_state
     from pipeline.train import run_tags
@@ -139,7 +139,7 @@ def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
     assert tags["git.commit"] == _git(tmp_path, "rev-parse", "HEAD").strip()
     assert tags["git.dirty"] == "true" and tags["git.changed"] == "params.yaml"
     assert tags["dvc.exp_name"] == "tau-three" and tags["dvc.baseline_rev"] == base_rev
-    assert tags["plan_hash"] == plan_hash(plan) and len(tags["plan_hash"]) == 64
+    assert tags["plan_hash"] == plan.hash and len(tags["plan_hash"]) == 64
     assert "preset" not in tags  # the run profile is no part of training
 
 

@@ -15,6 +15,7 @@ from pipeline.experiments.train_config import LogBase, TauScale
 
 # > 0: the entropy gate is H(q_g) < tau with H >= 0, so tau <= 0 would never distil; inf: KD on every token
 Tau = Annotated[float, Field(gt=0.0, allow_inf_nan=True)]
+TAU_STUDY = "tau_sweep"  # the study whose runs analyze plots by their tau (pipeline.results.analysis)
 
 
 @config(frozen=True)
@@ -29,7 +30,7 @@ class Inherited:
 @config(frozen=True)
 class Experiment:
     """One entry of params `experiments`, checked (its keys' types, its method, the form of its partition and
-    whether its method reads tau), with its tau resolved as its plan has it."""
+    whether its method reads tau: a tau sweep's must), with its tau resolved as its plan has it."""
 
     name: str
     method: Literal[tuple(sorted(METHODS))]  # type: ignore[valid-type]
@@ -57,6 +58,8 @@ class Experiment:
             raise ValueError(f"method {self.method!r} needs tau (the entry's, or the top-level tau)")
         if not get_method(self.method).uses_tau and self.tau is not None:
             raise ValueError(f"tau is set but method {self.method!r} does not use it")
+        if self.study == TAU_STUDY and self.tau is None:
+            raise ValueError("a tau-sweep experiment needs a tau")
         return self
 
     @property

@@ -51,7 +51,8 @@ class Plan:
         return from_dict(ModelConfig, self.model, f"{self.source}: model")
 
     @cached_property
-    def _hash(self) -> str:
+    def hash(self) -> str:
+        """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it."""
         return record_hash(self.to_json_dict())
 
     @property
@@ -67,7 +68,7 @@ class Plan:
             "examples": str(PATHS.examples),
             "partition": str(PATHS.partition(self.partition)),
             "backbone": str(PATHS.backbone),
-            "out_dir": str(RUNS_DIR / f"{self.experiment}-{plan_hash(self)[:16]}"),
+            "out_dir": str(RUNS_DIR / f"{self.experiment}-{self.hash[:16]}"),
             "model_dir": str(PATHS.model_dir(self.experiment)),
             "reports_dir": str(PATHS.train_report(self.experiment)),
         }
@@ -87,14 +88,8 @@ class Plan:
         return d
 
 
-def plan_hash(plan: Plan) -> str:
-    """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it. Kept on the plan (every
-    path of a run names it)."""
-    return plan._hash
-
-
 def record_hash(record: dict[str, Any]) -> str:
-    """:func:`plan_hash` of a plan read back from ``models/<exp>/experiment.json`` (``Plan.to_json_dict``)."""
+    """:attr:`Plan.hash` of a plan read back from ``models/<exp>/experiment.json`` (``Plan.to_json_dict``)."""
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -40,17 +40,14 @@ def check_run_keys(values: dict[str, Any], where: str) -> RunSettings:
     return from_dict(RunSettings, {k: v for k, v in values.items() if k in RUN_TRAIN_KEYS}, where)
 
 
-def run_settings(params: dict[str, Any], experiment: str | None = None, file: str = "params.yaml") -> RunSettings:
-    """The run-time settings of the params ``file``, with ``experiment``'s own overrides of them (e.g.
-    ``round_timeout_s``; a bad one is named as the entry's: ``<file> experiments.<name>.round_timeout_s``)."""
+def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
+    """The run-time settings of the params file a stage entry point names (the train stage: the project's; the
+    federation commands: their ``--params``; a missing file is an error, load_params', never the defaults), with
+    ``experiment``'s own overrides of them (e.g. ``round_timeout_s``; a bad one is named as the entry's: ``<file>
+    experiments.<name>.round_timeout_s``)."""
+    params, file = load_params(params_path), str(params_path)
     own = (params.get("experiments") or {}).get(experiment) or {} if experiment is not None else {}
     check_run_keys(own, f"{file} experiments.{experiment}")
     model = group(params, "model", file)
     cache = from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, f"{file} model")
     return dataclasses.replace(check_run_keys(group(params, "train", file) | own, f"{file} train"), cache=cache)
-
-
-def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
-    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; the
-    federation commands: their ``--params``). A missing file is an error (load_params'), never the defaults."""
-    return run_settings(load_params(params_path), experiment, str(params_path))

@@ -11,7 +11,6 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from pipeline.experiments.plans import plan_hash
 from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, PLAN_HASH, START_OVER, error_line, load_plan, metrics_row
 
 log = logging.getLogger("fedmeet.federated")
@@ -102,7 +101,7 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None) -> 
     """The client names the nodes ``ids`` answer query.identify with, each with whether the node serves ``plan_path``
     (by its hash; ``sizes`` receives such a client's ``num-train`` / ``num-valid``); a node gone offline is left out
     (its client may come back before the timeout)."""
-    ours = plan_hash(load_plan(plan_path))  # with start_over: the plan whose nodes start over (a path may differ)
+    ours = load_plan(plan_path).hash  # with start_over: the plan whose nodes start over (a path may differ)
     config = {"plan": plan_path, START_OVER: start_over, PLAN_HASH: ours}
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in ids]
     named: dict[int, tuple[str, bool]] = {}

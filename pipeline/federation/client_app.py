@@ -14,7 +14,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from pipeline.common import atomic
-from pipeline.experiments.plans import Plan, plan_hash
+from pipeline.experiments.plans import Plan
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -64,7 +64,7 @@ def served_plan(msg: Message, context: Context) -> Plan:
     """The plan this node serves, refusing a message of the server's run of another plan (its config's plan hash): a
     SuperNode restarted under --auth keeps its node id, so the server does not identify it again."""
     plan = load_plan(plan_path_of(msg, context))
-    if (theirs := msg.content.config_records.get(CONFIG_KEY, {}).get(PLAN_HASH)) not in (None, plan_hash(plan)):
+    if (theirs := msg.content.config_records.get(CONFIG_KEY, {}).get(PLAN_HASH)) not in (None, plan.hash):
         raise ValueError(f"{plan.source or plan.experiment}: this node serves another plan than the run's ({theirs})")
     return plan
 
@@ -124,7 +124,7 @@ def client_identify(msg: Message, context: Context) -> Message:
     """Admission (admission.identify_clients): the client's name, the hash of the plan it serves (the server refuses
     another plan's node) and the sizes of its train and valid splits."""
     plan, name, config = load_plan(plan_path_of(msg, context)), client_name(context), msg.content[CONFIG_KEY]
-    identity = ConfigRecord({"client-name": name, PLAN_HASH: plan_hash(plan)})
+    identity = ConfigRecord({"client-name": name, PLAN_HASH: plan.hash})
     # the plan the server runs only (its hash: a site's copy may lie elsewhere): another plan's node keeps its files
     if config.get(START_OVER) and config.get(PLAN_HASH) == identity[PLAN_HASH]:
         _discard_earlier_run(plan, name, context)

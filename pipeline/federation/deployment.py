@@ -21,7 +21,7 @@ from pipeline.common import atomic
 from pipeline.common.cli import freeze_collected
 from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, config, from_dict
 from pipeline.common.integrity import backbone_name
-from pipeline.experiments.plans import Plan, plan_hash
+from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import RunSettings
 from pipeline.federation.admission import connected_nodes
 from pipeline.federation.client_app import client_app, client_dir, client_name, served_plan
@@ -116,7 +116,7 @@ def federated_evaluate(
     place) for its test ROUGE; returns metrics.json's content."""
     connected = None if nodes is None else connected_nodes(grid, plan_path, nodes, timeout, clients)
     node_ids = sorted(grid.get_node_ids() if connected is None else connected)
-    config = ConfigRecord({"plan": plan_path, PLAN_HASH: plan_hash(plan), "evaluate": json.dumps(asdict(cfg))})
+    config = ConfigRecord({"plan": plan_path, PLAN_HASH: plan.hash, "evaluate": json.dumps(asdict(cfg))})
     queries = [
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
     ]

@@ -24,7 +24,7 @@ CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 IDENTIFY = "query.identify"
 START_OVER = "start-over"  # in the admission's query.identify: the run starts at round 1 (client_app.client_identify)
-PLAN_HASH = "plan-hash"  # query.identify's: the server's plan (plan_hash); its reply's: the node's (refused if other)
+PLAN_HASH = "plan-hash"  # query.identify's: the server's plan (Plan.hash); its reply's: the node's (refused if other)
 
 # What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight),
 # each with its history row field (the LocalResult attribute it comes from, but for the weight) and type.

@@ -14,7 +14,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from pipeline.experiments.plans import Plan, plan_hash
+from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
@@ -122,7 +122,7 @@ def run_server(
     state = arrays.to_torch_state_dict()  # the global as tensors, converted once each time it changes
     recorder.started(plan, clients, start)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
-    config = {"plan": plan_path, PLAN_HASH: plan_hash(plan), **(client_settings_config(cache) if cache else {})}
+    config = {"plan": plan_path, PLAN_HASH: plan.hash, **(client_settings_config(cache) if cache else {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 

@@ -24,7 +24,7 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, config
 from pipeline.common.schema import DataError
-from pipeline.experiments.entries import Experiment
+from pipeline.experiments.entries import TAU_STUDY, Experiment
 from pipeline.experiments.train_config import UNITS
 from pipeline.paths import ProjectPaths
 from pipeline.results import kd_analysis
@@ -33,7 +33,7 @@ from pipeline.results.plotting import slug
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
-MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
+MAIN_STUDY = "main"
 
 
 @config
@@ -132,8 +132,6 @@ class Analysis:
         # The main SelectKD joins the sweep (on its schemes) at its runs' tau: an entry's own, else the top-level.
         rows = []
         for e in sweep + [e for e in self.main if e.scheme in {s.scheme for s in sweep}]:
-            if e.tau is None:
-                raise ConfigError(f"{self.file} experiments.{e.name}: a tau-sweep experiment needs a tau")
             usage = usages.get(e.name) or self.usage(e, "tau sweep")
             scores = self.scores(e, "tau sweep")
             if usage is not None and scores is not None:

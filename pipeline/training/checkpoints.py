@@ -18,7 +18,7 @@ import torch
 
 from pipeline.common import atomic
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
-from pipeline.experiments.plans import Plan, plan_hash
+from pipeline.experiments.plans import Plan
 from pipeline.modeling.adapters import adapter_file, save_adapter
 
 log = logging.getLogger("fedmeet.train")
@@ -94,7 +94,7 @@ def checkpoint_identity(plan: Plan) -> dict[str, str]:
     run trains on besides the plan (the backbone, the partition, the examples: rebuilt or re-partitioned under the
     same plan, a killed run starts over rather than mixing two trainings)."""
     inputs = {f"{name}_hash": input_hash(plan.paths[name]) for name in INPUTS if name in plan.paths}
-    return {"plan_hash": plan_hash(plan), "code_hash": code_hash(), **inputs}
+    return {"plan_hash": plan.hash, "code_hash": code_hash(), **inputs}
 
 
 def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any]) -> None:
