@@ -458,7 +458,10 @@ def test_a_margin_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch):
     "extra, says",
     [
         # FedAvg as the sweep's no-KD point: it reads no tau
-        ({"fedavg-sweep": {"method": "fedavg", "partition": "domain/seed0", "study": "tau_sweep"}}, "needs a tau"),
+        (
+            {"fedavg-sweep": {"method": "fedavg", "partition": "domain/seed0", "study": "tau_sweep"}},
+            "needs a method that reads tau; 'fedavg' reads none",
+        ),
         # a second main-study SelectKD at another tau
         ({"sel-tau4": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 1, "tau": 4.0}}, "different tau"),
         # a second one at the same tau 5.0 in bits: another gate (H_nats < 3.47), not the same tau

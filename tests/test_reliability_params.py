@@ -476,7 +476,7 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
                 [],
                 "experiments.fedavg-domain.study",
                 "tau_sweep",
-                r"experiments.fedavg-domain: a tau-sweep experiment needs a tau",
+                r"experiments.fedavg-domain: a tau-sweep experiment needs a method that reads tau; 'fedavg' reads none",
             )
             for stage in ("plan", "analyze")
         ],

@@ -58,8 +58,8 @@ class Experiment:
             raise ValueError(f"method {self.method!r} needs tau (the entry's, or the top-level tau)")
         if not get_method(self.method).uses_tau and self.tau is not None:
             raise ValueError(f"tau is set but method {self.method!r} does not use it")
-        if self.study == TAU_STUDY and self.tau is None:
-            raise ValueError("a tau-sweep experiment needs a tau")
+        if self.study == TAU_STUDY and self.tau is None:  # its method reads no tau (a tau-reading one has one)
+            raise ValueError(f"a tau-sweep experiment needs a method that reads tau; {self.method!r} reads none")
         return self
 
     @property
