@@ -207,6 +207,11 @@ def test_the_case_study_uses_the_lowest_seed_at_which_fedavg_and_selectkd_both_h
             r"'target', 'target_experiment'\]; expected",
         ),
         (lambda k: k["items"]["item0001"].update(target_side="C"), r"key\.json: items\['item0001'\]: target_side 'C'"),
+        # a judgement of a null domain (or opponent) was dropped from the counts (pandas' crosstab leaves NaN out)
+        (
+            lambda k: k["items"]["item0001"].update(domain=None),
+            r"key\.json: items\['item0001'\]: domain None; expected text",
+        ),
         (
             lambda k: k["items"]["item0001"].update(extra=1),
             r"key\.json: items\['item0001'\]: fields \['domain', 'example_id', 'extra'",

@@ -637,3 +637,19 @@ def test_a_partition_file_without_its_clients_splits_is_one_line_naming_it(tmp_p
     with pytest.raises(DataError) as err:
         read_partition(path, "Academic")
     assert str(err.value) == f"{path}: no 'clients' mapping of each client to its train, valid and test ids"
+
+
+@pytest.mark.parametrize(("split", "ids"), [("train", "a1"), ("valid", 3), ("test", {"a1": 1})])
+def test_a_split_that_is_no_list_of_ids_is_one_line_naming_the_client_and_split(tmp_path, split, ids):
+    """A split that is text or a number (a hand edit): text reached the readers as its characters (a misleading
+    'missing id' error), a number a TypeError traceback where the GPU kit or a reader iterates it."""
+    from pipeline.common.schema import DataError
+    from pipeline.training.client_data import read_partition
+
+    path = tmp_path / "seed0.json"
+    path.write_text(
+        json.dumps({"clients": {"Academic": {"train": ["a0"], "valid": ["a2"], "test": []} | {split: ids}}})
+    )
+    with pytest.raises(DataError) as err:
+        read_partition(path, "Academic")
+    assert str(err.value) == f"{path}: client 'Academic': its {split} split is not a list of ids"

@@ -148,3 +148,18 @@ def test_a_kit_out_that_is_a_file_or_the_project_root_is_refused_in_one_line(ws,
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--out {out}" in err[0]
     assert a_file.read_text() == "x"
+
+
+def test_the_servers_run_config_reads_back_in_flower_with_a_plan_path_outside_the_bmp(ws, tmp_path):
+    """run_config.toml was written with JSON's ASCII escapes: a character outside the BMP (an emoji in the plan's
+    file name) became a surrogate pair escape, which TOML refuses, so `flwr run --run-config run_config.toml` failed."""
+    import shutil
+
+    from flwr.common.config import parse_config_args
+
+    from pipeline.federation.cli import write_kit
+
+    plan = write_plan("kit-emoji", "fedavg", rounds=1)
+    shutil.copyfile(plan, emoji := str(Path(plan).with_name("kit-\U0001f600.json")))
+    write_kit(emoji, tmp_path / "server")
+    assert parse_config_args([str(tmp_path / "server" / "run_config.toml")])["plan"] == emoji

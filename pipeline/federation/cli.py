@@ -67,8 +67,10 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
     shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
     written = [Path(plan_path), backbone]
     if run_config is not None:
-        # JSON's strings, numbers and booleans are TOML's too
-        atomic.write_text(out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v)}\n" for k, v in run_config.items()))
+        # JSON's strings, numbers and booleans are TOML's too, but not its escapes of a character outside the BMP
+        atomic.write_text(
+            out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v, ensure_ascii=False)}\n" for k, v in run_config.items())
+        )
         return [*written, Path(RUN_CONFIG)]
 
     part_path = Path(plan.paths["partition"])

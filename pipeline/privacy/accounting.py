@@ -62,7 +62,7 @@ def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, w
 class FederationPrivacy:
     """Client-level DP of a federated run: DP-FedAvg (McMahan et al. 2018), composed once per round."""
 
-    noise_multiplier: float  # z: what the accountant composes per round (adaptive: updates and count together)
+    noise_multiplier: float  # z per round (adaptive: bound_after composes z rebuilt from z_u and sigma_b, not this)
     update_noise_multiplier: float  # z_u: the noise on the mean update is z_u C / sampled (fixed: = z)
     count_stddev: float | None  # adaptive: sigma_b of the clipped count; None with fixed clipping
     clipping_norm: float  # fixed C, or adaptive clipping's initial C

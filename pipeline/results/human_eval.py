@@ -239,6 +239,8 @@ def _read_key(path: Path) -> tuple[dict[str, Any], dict[str, KeyEntry]]:
         if not isinstance(entry, dict) or sorted(entry) != names:
             got = f"fields {sorted(entry)}" if isinstance(entry, dict) else repr(entry)
             raise DataError(f"{path}: items[{item!r}]: {got}; expected the fields {names}")
+        if bad := [n for n in names if not isinstance(entry[n], str)]:  # crosstab would drop a null domain
+            raise DataError(f"{path}: items[{item!r}]: {bad[0]} {entry[bad[0]]!r}; expected text")
         if entry["target_side"] not in ("A", "B"):
             raise DataError(f"{path}: items[{item!r}]: target_side {entry['target_side']!r}; expected 'A' or 'B'")
         key[item] = KeyEntry(**entry)
