@@ -1600,6 +1600,19 @@ def _secure_rows(names):
     return {n: {"round": 3, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0} for n in names}
 
 
+CLIENT_DP = {"mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1.0, "clipping_side": "client"}
+
+
+def _secagg_plan(**privacy):
+    """What _train_secure reads of a plan, its privacy group: SecAgg+ with ``privacy``."""
+    from types import SimpleNamespace
+
+    from pipeline.common.config import from_dict
+    from pipeline.experiments.privacy import PrivacyConfig
+
+    return SimpleNamespace(privacy=from_dict(PrivacyConfig, {"secure_aggregation": True, **privacy}, "privacy"))
+
+
 def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_unmasked_mean(caplog):
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
@@ -1623,7 +1636,7 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
     grid = object()
     exchange = _Round(grid, None, 3, rows, names, 5.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(secure, exchange, ["m"] * 3) is mean
+        assert _train_secure(secure, exchange, ["m"] * 3, _secagg_plan()) is mean
     assert secure.calls == [(grid, 3, 3)]
     for node, name in names.items():
         w = {11: 1, 12: 2, 13: 5}[node]
@@ -1656,7 +1669,8 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
     )
     rows = _secure_rows(names.values())
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(_ScriptedSecure(result), _Round(None, None, 4, rows, names, 5.0), ["m"] * 3) is mean
+        exchange = _Round(None, None, 4, rows, names, 5.0)
+        assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 3, _secagg_plan()) is mean
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ share_keys: timeout"
     assert rows["Committee"]["bytes_down"] == 7 and "weight" not in rows["Committee"]
     assert rows["Academic"]["failed"] == 0 and rows["Product"]["failed"] == 0
@@ -1680,7 +1694,7 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
     )
     rows = _secure_rows(names.values())
     exchange = _Round(None, None, 2, rows, names, 5.0)
-    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 2) is None
+    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 2, _secagg_plan()) is None
     assert rows["Academic"]["failed"] == 1 and rows["Academic"]["error"] == "too few shares"
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ setup: gone"
     assert exchange.clipped == {}
@@ -1713,12 +1727,52 @@ def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
             assert _train_secure(
-                _ScriptedSecure(result), _Round(None, strategy, 3, rows, names, 5.0, strategy), ["m"] * 3
+                _ScriptedSecure(result),
+                _Round(None, strategy, 3, rows, names, 5.0, strategy),
+                ["m"] * 3,
+                _secagg_plan(),
             ) == (returned)
         assert all(rows[c]["failed"] == 1 for c in rows) and rows["Product"]["error"] == "SecAgg+ share_keys: timeout"
         assert "secagg-clipped" in rows["Committee"]["error"] and "['Committee']" in rows["Academic"]["error"]
         assert len(logged(caplog)) == 3 and logs(logged(caplog), "round 3", "Committee", "secagg-clipped")
     assert Wrapper.calls == [(3, None, 0, 0)]
+
+
+DP_REPORT = {"dp-epsilon": 2.0, "dp-delta": 1e-5, "dp-noise-multiplier": 1.0, "dp-max-grad-norm": 1.0}
+DP_REPORT |= {"dp-sample-rate": 0.5, "dp-steps": 4, "dp-examples": 8, "dp-clipped": 2}
+
+
+@pytest.mark.parametrize("corrupt, problem", [(None, None), ("no report", "dp-epsilon"), ("extra", "['extra']")])
+def test_a_secure_reply_without_the_plans_keys_or_with_others_is_refused_as_in_the_clear(caplog, corrupt, problem):
+    """Example-level DP under SecAgg+: a reply holds the DP-SGD report and no key the plan's replies lack, as in the
+    clear (test_a_reply_with_other_metric_keys_or_records_than_the_plans_is_that_clients_failure). Committee's masked
+    vector is in the sum, its metrics without the report or with a key 'extra': before, its row was recorded without
+    a report (the DP keys were taken only when a reply held dp-epsilon) or the key was ignored, and the sum released;
+    now its metrics cannot be decoded and the sum is not released (None), every client failed, Committee's row and
+    log line naming the key. Well-formed: the sum released, each row its report (clipped fraction 2 / 8 by hand)."""
+    from pipeline.federation.server_app import _Round, _train_secure
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
+
+    names = {11: "Academic", 12: "Committee", 13: "Product"}
+    committee = _secure_metrics(2) | DP_REPORT
+    committee = {"no report": _secure_metrics(2), "extra": committee | {"extra": 1.0}}.get(corrupt, committee)
+    nodes = {11: _secure_metrics(1) | DP_REPORT, 12: committee, 13: _secure_metrics(5) | DP_REPORT}
+    mean = object()
+    result = SecureRound(mean, {n: NodeOutcome(metrics=m) for n, m in nodes.items()}, {11, 12, 13}, 2, 3)
+    rows = _secure_rows(names.values())
+    plan = _secagg_plan(mode="example", noise_multiplier=1.0)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        released = _train_secure(_ScriptedSecure(result), _Round(None, None, 3, rows, names, 5.0), ["m"] * 3, plan)
+    if corrupt is None:
+        assert released is mean and logged(caplog) == []
+        assert all(
+            (r["failed"], r["epsilon"], r["dp_steps"], r["clipped_fraction"]) == (0, 2.0, 4, 0.25)
+            for r in rows.values()
+        )
+        return
+    assert released is None and all(rows[c]["failed"] == 1 for c in rows)
+    assert problem in rows["Committee"]["error"] and "['Committee']" in rows["Academic"]["error"]
+    logs(logged(caplog), "round 3", "Committee", problem)
 
 
 @pytest.mark.parametrize("corrupt, problem", [("no metrics", "num-examples"), ("a list", "secagg-clipped")])
@@ -1768,7 +1822,7 @@ def test_a_masked_vector_reply_whose_metrics_flower_cannot_read_halts_the_round_
     rows = _secure_rows(names.values())
     secure = SecureAggregator(SecAggConfig(), max_weight=2, timeout=5.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), msgs) is None
+        assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), msgs, _secagg_plan()) is None
     assert all(rows[c]["failed"] == 1 for c in rows) and "['Committee']" in rows["Academic"]["error"]
     assert rows["Committee"]["error"].startswith("it cannot be decoded") and problem in rows["Committee"]["error"]
     assert len(logged(caplog)) == 3 and logs(logged(caplog), "round 3", "Committee", problem)
@@ -1804,7 +1858,7 @@ def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed
     wrapper = Wrapper()
     rows = _secure_rows(names.values())
     exchange = _Round(None, wrapper, 6, rows, names, 5.0)
-    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 4) == "noised"
+    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 4, _secagg_plan(**CLIENT_DP)) == "noised"
     assert wrapper.calls == [(6, mean, 1, 3)]
     assert exchange.clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
     assert rows["Academic"]["secagg_clipped"] == 1 and rows["Committee"]["secagg_clipped"] == 0

@@ -201,23 +201,37 @@ def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple], what: str = "met
 
 
 def train_reply_metrics(content: RecordDict, plan: Plan) -> dict[str, Any]:
-    """A train reply's metrics in the clear as its row's fields, checked as Flower's strategies need every reply of a
-    round (or they raise InconsistentMessageReplies, ending the run): one ArrayRecord ARRAYS_KEY and one MetricRecord
-    METRICS_KEY with the keys ``plan``'s replies hold, each one number of its type: TRAIN_METRICS; DP_METRICS under
-    example-level DP; under client-side clipping (no row fields) Flower's mod's KEY_NORM_BIT if adaptive, and
-    CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C), each 0 or 1 (ClientLevelDP reads
-    them with int()). Else ValueError naming it."""
+    """A train reply's metrics in the clear as train_reply_row reads them, the reply checked as Flower's strategies
+    need every reply of a round (or they raise InconsistentMessageReplies, ending the run): one ArrayRecord
+    ARRAYS_KEY and one MetricRecord METRICS_KEY. Else ValueError naming it."""
     records = (list(content.array_records), list(content.metric_records))
     if records != ([ARRAYS_KEY], [METRICS_KEY]):
         raise ValueError(f"its array and metric records are not [{ARRAYS_KEY!r}], [{METRICS_KEY!r}]: {records}")
-    p, m = plan.privacy, content.metric_records[METRICS_KEY]
+    return train_reply_row(content.metric_records[METRICS_KEY], plan)
+
+
+def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
+    """A train reply's metrics (in the clear, or those SecAgg+'s FitRes carried) as its row's fields, its DP-SGD
+    report read (privacy_row): the keys ``plan``'s replies hold and no other, each one number of its type:
+    TRAIN_METRICS; DP_METRICS under example-level DP; SECAGG_METRICS under SecAgg+ (whose legacy_fit sends the
+    clipping marks in the masked vector); in the clear under client-side clipping (no row fields) Flower's mod's
+    KEY_NORM_BIT if adaptive, and CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C),
+    each 0 or 1 (ClientLevelDP reads them with int()). Else ValueError naming it, as unless it trained (num-examples,
+    num-steps at least 1: FedAvg divides by the weights' sum, FedNova by each client's steps; a client with an empty
+    train split cannot even identify: client_data.read_partition)."""
+    p = plan.privacy
     spec = TRAIN_METRICS | (DP_METRICS if p is not None and p.mode == "example" else {})
-    if p is not None and p.mode == "client" and p.clipping_side == "client":
+    if p is not None and p.secure_aggregation:
+        spec |= SECAGG_METRICS
+    elif p is not None and p.mode == "client" and p.clipping_side == "client":
         marks = ({KEY_NORM_BIT} if p.clipping == "adaptive" else set()) | ({CLIPPED_KEY} & m.keys())
         spec |= {key: (None, int, 0, 1) for key in sorted(marks)}
     if extra := sorted(m.keys() - spec.keys()):
         raise ValueError(f"its metrics hold keys the plan's replies do not: {extra}")
-    return metrics_row(m, spec)
+    row = metrics_row(m, spec)
+    if row["weight"] < 1 or row["n_steps"] < 1:
+        raise ValueError(f"it reports no training: num-examples {row['weight']}, num-steps {row['n_steps']}")
+    return privacy_row(row) if "epsilon" in row else row
 
 
 def _number(value: Any, kind: type, *within: float) -> bool:
