@@ -833,6 +833,23 @@ def test_a_reply_with_malformed_metrics_is_that_clients_failure_not_the_servers(
     assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5])
+def test_an_evaluation_reply_whose_val_loss_is_not_a_finite_loss_is_that_clients_failed_evaluation(ws, caplog, value):
+    """A val-loss of NaN, inf or below 0 (a mean token CE is finite and >= 0, and every admitted client has
+    validation examples): before, recorded as the client's val_loss (a NaN or inf round mean, a negative one a false
+    best round); now Product's evaluation failed in round 1 (one log line naming val-loss), no val_loss in its row,
+    its training counted, and round 2 goes on with every client, each loss as scripted (1 + 0.5 x round)."""
+    path = write_plan(f"loop-val-{value}".replace(".", ""), "fedkd", rounds=2, fraction_train=1.0)
+    script = Script(bad_eval_metrics={("Product", 1): {"val-loss": value}})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        _, history, _ = run(path, script)
+    r1, r2 = rows_of(history, 1), rows_of(history, 2)
+    assert r1["Product"]["eval_failed"] == 1 and "val_loss" not in r1["Product"] and r1["Product"]["failed"] == 0
+    logs(logged(caplog), "round 1", "Product", "val-loss")
+    assert r1["Academic"]["val_loss"] == 1.5 and [r2[c]["val_loss"] for c in sorted(r2)] == [2.0, 2.0, 2.0]
+    assert trained(script, 2) == ["Academic", "Committee", "Product"]
+
+
 def test_a_reply_with_other_metric_keys_or_records_than_the_plans_is_that_clients_failure(ws, caplog):
     """Flower's FedAvg aggregates a round only if its replies hold one ArrayRecord and one MetricRecord with the same
     keys (else InconsistentMessageReplies ended the run): a reply with a key the plan's replies lack (an extra one,

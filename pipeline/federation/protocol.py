@@ -3,6 +3,7 @@ metrics a reply holds, the plan a message refers to, and the adapters as they go
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,13 @@ TRAIN_METRICS = {
     "kd-fraction": ("kd_fraction", float),
     "proximal": ("proximal", float),
 }
-# What an evaluate reply's MetricRecord holds besides NUM_EXAMPLES_KEY (client_app.client_evaluate), as TRAIN_METRICS.
-EVAL_METRICS = {"val-loss": ("val_loss", float), "val-tokens": ("val_tokens", int), "best-round": ("best_round", int)}
+# What an evaluate reply's MetricRecord holds besides NUM_EXAMPLES_KEY (client_app.client_evaluate), as TRAIN_METRICS;
+# a mean token CE, finite (every admitted client has validation examples: admission.identify_clients).
+EVAL_METRICS = {
+    "val-loss": ("val_loss", float, 0, math.inf),
+    "val-tokens": ("val_tokens", int),
+    "best-round": ("best_round", int),
+}
 # Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
 # history row field (privacy_row) and type; an unbounded epsilon or max_grad_norm travels as -1.
 DP_METRICS = {
@@ -193,7 +199,7 @@ def payload_bytes(content: RecordDict) -> int:
 
 def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple], what: str = "metrics") -> dict[str, Any]:
     """A reply's metrics ``spec`` names (key -> history row field or None, type[, lowest, highest]) as the row's fields;
-    a key missing or a value not one number of its type (an int: whole) within the bounds given (both in: finite)
+    a key missing or a value not one number of its type (an int: whole) within the bounds given (both in; finite)
     raises ValueError naming it and ``what`` they are (a malformed reply: its failure)."""
     if odd := {key: m.get(key) for key, (_, *kind) in spec.items() if not _number(m.get(key), *kind)}:
         raise ValueError(f"its {what} lack or hold no single number of their type: {odd}")
@@ -235,7 +241,9 @@ def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
 
 
 def _number(value: Any, kind: type, *within: float) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or within and not within[0] <= value <= within[1]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if within and not (within[0] <= value <= within[1] and abs(value) < math.inf):  # NaN fails the comparisons
         return False
     return kind is float or float(value).is_integer()
 
