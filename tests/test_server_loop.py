@@ -850,6 +850,32 @@ def test_an_evaluation_reply_whose_val_loss_is_not_a_finite_loss_is_that_clients
     assert trained(script, 2) == ["Academic", "Committee", "Product"]
 
 
+@pytest.mark.parametrize(
+    "key", ["num-trained", "num-tokens", "dp-steps", "dp-examples", "dp-clipped", "val-tokens", "best-round"]
+)
+def test_a_negative_count_in_a_reply_is_that_clients_failure(ws, caplog, key):
+    """Example-level DP (noise 0): Committee's train reply (or its evaluate reply) holds -1 for a count (examples,
+    tokens, steps, clipped examples, the round of its best adapter): before, taken as one whole number (its row's
+    count -1, a negative clipped fraction), the update aggregated; now a malformed reply, as a count that is no whole
+    number: its failure (its evaluation's), one log line naming the key. The global moves by numpy's weighted mean of
+    the updates of the clients whose train replies are well-formed."""
+    path = _client_dp(write_plan(f"loop-negative-{key}", "fedavg", rounds=1, fraction_train=1.0), mode="example")
+    evaluate = key in ("val-tokens", "best-round")
+    bad = {("Committee", 1): {key: -1}}
+    script = Script(privacy=True, bad_eval_metrics=bad) if evaluate else Script(privacy=True, bad_metrics=bad)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script)
+    row = rows_of(history, 1)["Committee"]
+    logs(logged(caplog), "round 1", "Committee", f"{key!r}: -1")
+    if evaluate:
+        assert (row["eval_failed"], row["failed"]) == (1, 0) and "val_loss" not in row and row["n_tokens"] == 20
+    else:
+        assert row["failed"] == 1 and "weight_share" not in row and "n_tokens" not in row
+    clients = ["Academic", "Committee", "Product"] if evaluate else ["Academic", "Product"]
+    step = np.average([DELTAS[c] for c in clients], weights=[WEIGHTS[c] for c in clients])
+    assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
+
+
 def test_a_reply_with_other_metric_keys_or_records_than_the_plans_is_that_clients_failure(ws, caplog):
     """Flower's FedAvg aggregates a round only if its replies hold one ArrayRecord and one MetricRecord with the same
     keys (else InconsistentMessageReplies ended the run): a reply with a key the plan's replies lack (an extra one,
@@ -1343,6 +1369,7 @@ def _metric_record():
         (lambda c: c["identity"].__setitem__("num-train", "many"), "num-train"),
         (lambda c: c["identity"].__setitem__("num-train", 2.7), "num-train"),  # int() read it as 2
         (lambda c: c["identity"].__setitem__("num-valid", 0.5), "num-valid"),  # and this as 0
+        (lambda c: c["identity"].__setitem__("num-valid", -1), "num-valid"),  # admission refused only 0
     ],
 )
 def test_a_malformed_identify_reply_leaves_its_node_out_not_the_servers_run(ws, caplog, corrupt, problem):
@@ -1717,11 +1744,12 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
     assert exchange.clipped == {}
 
 
-def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_as_a_halted_one(caplog):
+@pytest.mark.parametrize("clipped", [[1, 2], -1])
+def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_as_a_halted_one(caplog, clipped):
     """Committee's masked vector is in the sum, its metrics hold a list for secagg-clipped (int() raised TypeError
-    and ended the run): the sum cannot be taken apart, so the round is not released, as when the protocol halts:
-    every sampled client failed, saying why, the global stays (None); under client-level DP the wrapper releases W
-    and its noise (nobody in the sum: arrays None, 0 clipped of 0)."""
+    and ended the run) or a negative count (taken before): the sum cannot be taken apart, so the round is not
+    released, as when the protocol halts: every sampled client failed, saying why, the global stays (None); under
+    client-level DP the wrapper releases W and its noise (nobody in the sum: arrays None, 0 clipped of 0)."""
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
@@ -1736,7 +1764,7 @@ def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_
     for strategy, returned in ((None, None), (Wrapper(), "W and noise")):
         nodes = {
             11: NodeOutcome(metrics=_secure_metrics(1)),
-            12: NodeOutcome(metrics=_secure_metrics(2) | {"secagg-clipped": [1, 2]}),
+            12: NodeOutcome(metrics=_secure_metrics(2) | {"secagg-clipped": clipped}),
             13: NodeOutcome(failed_stage="share_keys", error="timeout"),
         }
         result = SecureRound(arrays=object(), threshold=2, num_shares=3, in_sum={11, 12}, clipped_count=0, nodes=nodes)

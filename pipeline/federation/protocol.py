@@ -27,13 +27,14 @@ IDENTIFY = "query.identify"
 START_OVER = "start-over"  # in the admission's query.identify: the run starts at round 1 (client_app.client_identify)
 PLAN_HASH = "plan-hash"  # query.identify's: the server's plan (plan_hash); its reply's: the node's (refused if other)
 
+COUNT = (int, 0, math.inf)  # a count's type and bounds in a spec (metrics_row's): a whole number >= 0
 # What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight),
 # each with its history row field (the LocalResult attribute it comes from, but for the weight) and type.
 TRAIN_METRICS = {
-    NUM_EXAMPLES_KEY: ("weight", int),
-    "num-trained": ("n_examples", int),
-    NUM_STEPS_KEY: ("n_steps", int),
-    "num-tokens": ("n_tokens", int),
+    NUM_EXAMPLES_KEY: ("weight", *COUNT),
+    "num-trained": ("n_examples", *COUNT),
+    NUM_STEPS_KEY: ("n_steps", *COUNT),
+    "num-tokens": ("n_tokens", *COUNT),
     "train-loss": ("train_loss", float),
     "ce": ("ce", float),
     "kd": ("kd", float),
@@ -44,8 +45,8 @@ TRAIN_METRICS = {
 # a mean token CE, finite (every admitted client has validation examples: admission.identify_clients).
 EVAL_METRICS = {
     "val-loss": ("val_loss", float, 0, math.inf),
-    "val-tokens": ("val_tokens", int),
-    "best-round": ("best_round", int),
+    "val-tokens": ("val_tokens", *COUNT),
+    "best-round": ("best_round", *COUNT),
 }
 # Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
 # history row field (privacy_row) and type; an unbounded epsilon or max_grad_norm travels as -1.
@@ -55,15 +56,15 @@ DP_METRICS = {
     "dp-noise-multiplier": ("noise_multiplier", float),
     "dp-max-grad-norm": ("max_grad_norm", float),
     "dp-sample-rate": ("sample_rate", float),
-    "dp-steps": ("dp_steps", int),
-    "dp-examples": ("dp_examples", int),
-    "dp-clipped": ("dp_clipped", int),
+    "dp-steps": ("dp_steps", *COUNT),
+    "dp-examples": ("dp_examples", *COUNT),
+    "dp-clipped": ("dp_clipped", *COUNT),
 }
 # Added under privacy.mode client with client-side clipping: whether the update exceeded C before the mod clipped it.
 CLIPPED_KEY = "dp-update-clipped"
 # Added under SecAgg+: the upload coordinates its quantiser clipped to +-clipping_range.
 SECAGG_CLIPPED_KEY = "secagg-clipped"
-SECAGG_METRICS = {SECAGG_CLIPPED_KEY: ("secagg_clipped", int)}  # as TRAIN_METRICS
+SECAGG_METRICS = {SECAGG_CLIPPED_KEY: ("secagg_clipped", *COUNT)}  # as TRAIN_METRICS
 
 
 # A client's run-time settings (RunSettings.cache; none changes a result); a client never reads a params file.

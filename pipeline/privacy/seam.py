@@ -132,7 +132,7 @@ def account(context, result) -> dict[str, float | int]:
     restore_dp_steps(context, total)
     values = vars(result) | vars(setting) | {"epsilon": setting.bound_after(total)[0], "dp_steps": total}
     return {
-        key: -1.0 if values[field] == math.inf else kind(values[field]) for key, (field, kind) in DP_METRICS.items()
+        key: -1.0 if values[field] == math.inf else kind(values[field]) for key, (field, kind, *_) in DP_METRICS.items()
     }
 
 
