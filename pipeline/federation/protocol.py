@@ -49,7 +49,7 @@ EVAL_METRICS = {
     "best-round": ("best_round", *COUNT),
 }
 # Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
-# history row field (privacy_row) and type; an unbounded epsilon or max_grad_norm travels as -1.
+# history row field (train_reply_row reads them) and type; an unbounded epsilon or max_grad_norm travels as -1.
 DP_METRICS = {
     "dp-epsilon": ("epsilon", float),
     "dp-delta": ("delta", float),
@@ -219,13 +219,13 @@ def train_reply_metrics(content: RecordDict, plan: Plan) -> dict[str, Any]:
 
 def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
     """A train reply's metrics (in the clear, or those SecAgg+'s FitRes carried) as its row's fields, its DP-SGD
-    report read (privacy_row): the keys ``plan``'s replies hold and no other, each one number of its type:
+    report read (-1: unbounded): the keys ``plan``'s replies hold and no other, each one number of its type:
     TRAIN_METRICS; DP_METRICS under example-level DP; SECAGG_METRICS under SecAgg+ (whose legacy_fit sends the
     clipping marks in the masked vector); in the clear under client-side clipping (no row fields) Flower's mod's
     KEY_NORM_BIT if adaptive, and CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C),
-    each 0 or 1 (ClientLevelDP reads them with int()). Else ValueError naming it, as unless it trained (num-examples,
-    num-steps at least 1: FedAvg divides by the weights' sum, FedNova by each client's steps; a client with an empty
-    train split cannot even identify: client_data.read_partition)."""
+    each 0 or 1 (ClientLevelDP reads them with int()). Else, or unless it trained (num-examples, num-steps at least
+    1: FedAvg divides by the weights' sum, FedNova by each client's steps; a client with an empty train split cannot
+    even identify: client_data.read_partition), ValueError naming it."""
     p = plan.privacy
     spec = TRAIN_METRICS | (DP_METRICS if p is not None and p.mode == "example" else {})
     if p is not None and p.secure_aggregation:
@@ -238,7 +238,10 @@ def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
     row = metrics_row(m, spec)
     if row["weight"] < 1 or row["n_steps"] < 1:
         raise ValueError(f"it reports no training: num-examples {row['weight']}, num-steps {row['n_steps']}")
-    return privacy_row(row) if "epsilon" in row else row
+    if "epsilon" not in row:
+        return row
+    row |= {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
+    return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}
 
 
 def _number(value: Any, kind: type, *within: float) -> bool:
@@ -247,9 +250,3 @@ def _number(value: Any, kind: type, *within: float) -> bool:
     if within and not (within[0] <= value <= within[1] and abs(value) < math.inf):  # NaN fails the comparisons
         return False
     return kind is float or float(value).is_integer()
-
-
-def privacy_row(row: dict[str, Any]) -> dict[str, Any]:
-    """``row`` (metrics_row's of a reply's DP_METRICS) with its DP-SGD report read (-1 on the wire: None)."""
-    row = row | {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
-    return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}
