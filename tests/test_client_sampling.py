@@ -190,13 +190,15 @@ def test_under_secagg_an_empty_sample_releases_the_global_plus_the_noise():
     from pipeline.experiments.privacy import SecAggConfig
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import SecureAggregator
+    from tests.test_server_loop import CLIENT_DP, _secagg_plan
 
     strategy, _ = _fixed_wrapper(population=3, sampled=1, noise=20.0)
     g = np.linspace(-1.0, 1.0, 20000)
     assert strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(0)) == []
     grid = SimpleNamespace(run=SimpleNamespace(run_id=1), send_and_receive=lambda messages, timeout=None: [])
     secure = SecureAggregator(SecAggConfig(), 1, 5.0, clipped_bits=True)
-    arrays = _train_secure(secure, _Round(grid, strategy, 1, {}, {}, 5.0, client_level=strategy), [])
+    exchange = _Round(grid, strategy, 1, {}, {}, 5.0, client_level=strategy)
+    arrays = _train_secure(secure, exchange, [], _secagg_plan(**CLIENT_DP))
     assert arrays is not None, "the round released nothing: the unchanged global tells the sample was empty"
     noise = arrays["w"].numpy().astype(np.float64) - g.astype(np.float32)
     assert noise.std() == pytest.approx(20.0, rel=0.03)  # z C / m

@@ -1029,6 +1029,7 @@ MALFORMED_SUMMARIES = {  # how Committee's summarize reply differs -> what faile
     "a score inf": ({"set": {"avg_rouge": math.inf}}, "'avg_rouge': inf"),
     "a score over 100": ({"set": {"rougeL": 100.5}}, "'rougeL': 100.5"),
     "a score below 0": ({"set": {"rouge1": -0.5}}, "'rouge1': -0.5"),
+    "a count below 0": ({"set": {"skipped_by_subsampling": -1}}, "'skipped_by_subsampling': -1"),
 }
 
 

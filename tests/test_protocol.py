@@ -180,10 +180,19 @@ def _privacy(**kw) -> MetricRecord:
 
 
 def test_a_privacy_report_becomes_a_history_row():
+    from types import SimpleNamespace
+
+    from pipeline.common.config import from_dict
+    from pipeline.experiments.privacy import PrivacyConfig
     from pipeline.federation import protocol
 
-    def privacy_row(m):  # as the server reads a reply's DP_METRICS
-        return protocol.privacy_row(protocol.metrics_row(m, protocol.DP_METRICS))
+    example = from_dict(PrivacyConfig, {"mode": "example", "noise_multiplier": 1.0}, "privacy")
+    trained = {"num-examples": 8, "num-trained": 8, "num-steps": 2, "num-tokens": 80, "train-loss": 1.0, "ce": 1.0}
+    trained |= {"kd": 0.0, "kd-fraction": 0.0, "proximal": 0.0}
+
+    def privacy_row(m):  # as the server reads a train reply under example-level DP: its DP_METRICS' fields
+        row = protocol.train_reply_row(MetricRecord(dict(m) | trained), SimpleNamespace(privacy=example))
+        return {k: v for k, v in row.items() if k not in {field for field, *_ in protocol.TRAIN_METRICS.values()}}
 
     assert privacy_row(_privacy()) == {
         "epsilon": 2.5,

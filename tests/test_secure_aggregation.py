@@ -504,7 +504,7 @@ def _round_with_committee(stage: str, corrupt, caplog):
     from pipeline.federation.protocol import ARRAYS_KEY, METRICS_KEY
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
-    from tests.test_server_loop import _secure_metrics, _secure_rows, logged
+    from tests.test_server_loop import _secagg_plan, _secure_metrics, _secure_rows, logged
 
     def local(msg, context):
         node = context.node_id
@@ -532,7 +532,7 @@ def _round_with_committee(stage: str, corrupt, caplog):
     np.random.seed(0)  # Flower's stochastic rounding draws from numpy's global generator
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        released = _train_secure(secure, _Round(grid, None, 3, rows, CLIENTS, 5.0), msgs)
+        released = _train_secure(secure, _Round(grid, None, 3, rows, CLIENTS, 5.0), msgs, _secagg_plan())
     return released, rows, logged(caplog), secure.scale
 
 
@@ -662,7 +662,7 @@ def test_a_client_lost_before_its_shares_and_one_lost_at_the_masked_vector_leave
         legacy_fit,
         secure_aggregation_mod,
     )
-    from tests.test_server_loop import _secure_metrics, _secure_rows
+    from tests.test_server_loop import _secagg_plan, _secure_metrics, _secure_rows
 
     nodes = [1000, 1001, 1002, 1003, 1004]
     names_ = {n: f"C{i}" for i, n in enumerate(nodes)}
@@ -690,7 +690,7 @@ def test_a_client_lost_before_its_shares_and_one_lost_at_the_masked_vector_leave
     secure = SecureAggregator(SecAggConfig(), max_weight=1, timeout=5.0)
     np.random.seed(0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        released = _train_secure(secure, _Round(grid, None, 3, rows, names_, 5.0), msgs)
+        released = _train_secure(secure, _Round(grid, None, 3, rows, names_, 5.0), msgs, _secagg_plan())
     survivors = [1002, 1003, 1004]
     expected = np.mean([upload[n].astype(np.float64) for n in survivors], axis=0)
     assert released is not None, rows

@@ -832,6 +832,49 @@ def test_a_reply_with_malformed_metrics_is_that_clients_failure_not_the_servers(
     assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5])
+def test_an_evaluation_reply_whose_val_loss_is_not_a_finite_loss_is_that_clients_failed_evaluation(ws, caplog, value):
+    """A val-loss of NaN, inf or below 0 (a mean token CE is finite and >= 0, and every admitted client has
+    validation examples): before, recorded as the client's val_loss (a NaN or inf round mean, a negative one a false
+    best round); now Product's evaluation failed in round 1 (one log line naming val-loss), no val_loss in its row,
+    its training counted, and round 2 goes on with every client, each loss as scripted (1 + 0.5 x round)."""
+    path = write_plan(f"loop-val-{value}".replace(".", ""), "fedkd", rounds=2, fraction_train=1.0)
+    script = Script(bad_eval_metrics={("Product", 1): {"val-loss": value}})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        _, history, _ = run(path, script)
+    r1, r2 = rows_of(history, 1), rows_of(history, 2)
+    assert r1["Product"]["eval_failed"] == 1 and "val_loss" not in r1["Product"] and r1["Product"]["failed"] == 0
+    logs(logged(caplog), "round 1", "Product", "val-loss")
+    assert r1["Academic"]["val_loss"] == 1.5 and [r2[c]["val_loss"] for c in sorted(r2)] == [2.0, 2.0, 2.0]
+    assert trained(script, 2) == ["Academic", "Committee", "Product"]
+
+
+@pytest.mark.parametrize(
+    "key", ["num-trained", "num-tokens", "dp-steps", "dp-examples", "dp-clipped", "val-tokens", "best-round"]
+)
+def test_a_negative_count_in_a_reply_is_that_clients_failure(ws, caplog, key):
+    """Example-level DP (noise 0): Committee's train reply (or its evaluate reply) holds -1 for a count (examples,
+    tokens, steps, clipped examples, the round of its best adapter): before, taken as one whole number (its row's
+    count -1, a negative clipped fraction), the update aggregated; now a malformed reply, as a count that is no whole
+    number: its failure (its evaluation's), one log line naming the key. The global moves by numpy's weighted mean of
+    the updates of the clients whose train replies are well-formed."""
+    path = _client_dp(write_plan(f"loop-negative-{key}", "fedavg", rounds=1, fraction_train=1.0), mode="example")
+    evaluate = key in ("val-tokens", "best-round")
+    bad = {("Committee", 1): {key: -1}}
+    script = Script(privacy=True, bad_eval_metrics=bad) if evaluate else Script(privacy=True, bad_metrics=bad)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script)
+    row = rows_of(history, 1)["Committee"]
+    logs(logged(caplog), "round 1", "Committee", f"{key!r}: -1")
+    if evaluate:
+        assert (row["eval_failed"], row["failed"]) == (1, 0) and "val_loss" not in row and row["n_tokens"] == 20
+    else:
+        assert row["failed"] == 1 and "weight_share" not in row and "n_tokens" not in row
+    clients = ["Academic", "Committee", "Product"] if evaluate else ["Academic", "Product"]
+    step = np.average([DELTAS[c] for c in clients], weights=[WEIGHTS[c] for c in clients])
+    assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
+
+
 def test_a_reply_with_other_metric_keys_or_records_than_the_plans_is_that_clients_failure(ws, caplog):
     """Flower's FedAvg aggregates a round only if its replies hold one ArrayRecord and one MetricRecord with the same
     keys (else InconsistentMessageReplies ended the run): a reply with a key the plan's replies lack (an extra one,
@@ -1325,6 +1368,7 @@ def _metric_record():
         (lambda c: c["identity"].__setitem__("num-train", "many"), "num-train"),
         (lambda c: c["identity"].__setitem__("num-train", 2.7), "num-train"),  # int() read it as 2
         (lambda c: c["identity"].__setitem__("num-valid", 0.5), "num-valid"),  # and this as 0
+        (lambda c: c["identity"].__setitem__("num-valid", -1), "num-valid"),  # admission refused only 0
     ],
 )
 def test_a_malformed_identify_reply_leaves_its_node_out_not_the_servers_run(ws, caplog, corrupt, problem):
@@ -1599,6 +1643,19 @@ def _secure_rows(names):
     return {n: {"round": 3, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0} for n in names}
 
 
+CLIENT_DP = {"mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1.0, "clipping_side": "client"}
+
+
+def _secagg_plan(**privacy):
+    """What _train_secure reads of a plan, its privacy group: SecAgg+ with ``privacy``."""
+    from types import SimpleNamespace
+
+    from pipeline.common.config import from_dict
+    from pipeline.experiments.privacy import PrivacyConfig
+
+    return SimpleNamespace(privacy=from_dict(PrivacyConfig, {"secure_aggregation": True, **privacy}, "privacy"))
+
+
 def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_unmasked_mean(caplog):
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
@@ -1622,7 +1679,7 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
     grid = object()
     exchange = _Round(grid, None, 3, rows, names, 5.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(secure, exchange, ["m"] * 3) is mean
+        assert _train_secure(secure, exchange, ["m"] * 3, _secagg_plan()) is mean
     assert secure.calls == [(grid, 3, 3)]
     for node, name in names.items():
         w = {11: 1, 12: 2, 13: 5}[node]
@@ -1655,7 +1712,8 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
     )
     rows = _secure_rows(names.values())
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(_ScriptedSecure(result), _Round(None, None, 4, rows, names, 5.0), ["m"] * 3) is mean
+        exchange = _Round(None, None, 4, rows, names, 5.0)
+        assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 3, _secagg_plan()) is mean
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ share_keys: timeout"
     assert rows["Committee"]["bytes_down"] == 7 and "weight" not in rows["Committee"]
     assert rows["Academic"]["failed"] == 0 and rows["Product"]["failed"] == 0
@@ -1679,17 +1737,18 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
     )
     rows = _secure_rows(names.values())
     exchange = _Round(None, None, 2, rows, names, 5.0)
-    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 2) is None
+    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 2, _secagg_plan()) is None
     assert rows["Academic"]["failed"] == 1 and rows["Academic"]["error"] == "too few shares"
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ setup: gone"
     assert exchange.clipped == {}
 
 
-def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_as_a_halted_one(caplog):
+@pytest.mark.parametrize("clipped", [[1, 2], -1])
+def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_as_a_halted_one(caplog, clipped):
     """Committee's masked vector is in the sum, its metrics hold a list for secagg-clipped (int() raised TypeError
-    and ended the run): the sum cannot be taken apart, so the round is not released, as when the protocol halts:
-    every sampled client failed, saying why, the global stays (None); under client-level DP the wrapper releases W
-    and its noise (nobody in the sum: arrays None, 0 clipped of 0)."""
+    and ended the run) or a negative count (taken before): the sum cannot be taken apart, so the round is not
+    released, as when the protocol halts: every sampled client failed, saying why, the global stays (None); under
+    client-level DP the wrapper releases W and its noise (nobody in the sum: arrays None, 0 clipped of 0)."""
     from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
@@ -1704,7 +1763,7 @@ def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_
     for strategy, returned in ((None, None), (Wrapper(), "W and noise")):
         nodes = {
             11: NodeOutcome(metrics=_secure_metrics(1)),
-            12: NodeOutcome(metrics=_secure_metrics(2) | {"secagg-clipped": [1, 2]}),
+            12: NodeOutcome(metrics=_secure_metrics(2) | {"secagg-clipped": clipped}),
             13: NodeOutcome(failed_stage="share_keys", error="timeout"),
         }
         result = SecureRound(arrays=object(), threshold=2, num_shares=3, in_sum={11, 12}, clipped_count=0, nodes=nodes)
@@ -1712,12 +1771,52 @@ def test_a_summed_client_whose_metrics_cannot_be_decoded_fails_the_secure_round_
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
             assert _train_secure(
-                _ScriptedSecure(result), _Round(None, strategy, 3, rows, names, 5.0, strategy), ["m"] * 3
+                _ScriptedSecure(result),
+                _Round(None, strategy, 3, rows, names, 5.0, strategy),
+                ["m"] * 3,
+                _secagg_plan(),
             ) == (returned)
         assert all(rows[c]["failed"] == 1 for c in rows) and rows["Product"]["error"] == "SecAgg+ share_keys: timeout"
         assert "secagg-clipped" in rows["Committee"]["error"] and "['Committee']" in rows["Academic"]["error"]
         assert len(logged(caplog)) == 3 and logs(logged(caplog), "round 3", "Committee", "secagg-clipped")
     assert Wrapper.calls == [(3, None, 0, 0)]
+
+
+DP_REPORT = {"dp-epsilon": 2.0, "dp-delta": 1e-5, "dp-noise-multiplier": 1.0, "dp-max-grad-norm": 1.0}
+DP_REPORT |= {"dp-sample-rate": 0.5, "dp-steps": 4, "dp-examples": 8, "dp-clipped": 2}
+
+
+@pytest.mark.parametrize("corrupt, problem", [(None, None), ("no report", "dp-epsilon"), ("extra", "['extra']")])
+def test_a_secure_reply_without_the_plans_keys_or_with_others_is_refused_as_in_the_clear(caplog, corrupt, problem):
+    """Example-level DP under SecAgg+: a reply holds the DP-SGD report and no key the plan's replies lack, as in the
+    clear (test_a_reply_with_other_metric_keys_or_records_than_the_plans_is_that_clients_failure). Committee's masked
+    vector is in the sum, its metrics without the report or with a key 'extra': before, its row was recorded without
+    a report (the DP keys were taken only when a reply held dp-epsilon) or the key was ignored, and the sum released;
+    now its metrics cannot be decoded and the sum is not released (None), every client failed, Committee's row and
+    log line naming the key. Well-formed: the sum released, each row its report (clipped fraction 2 / 8 by hand)."""
+    from pipeline.federation.server_app import _Round, _train_secure
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
+
+    names = {11: "Academic", 12: "Committee", 13: "Product"}
+    committee = _secure_metrics(2) | DP_REPORT
+    committee = {"no report": _secure_metrics(2), "extra": committee | {"extra": 1.0}}.get(corrupt, committee)
+    nodes = {11: _secure_metrics(1) | DP_REPORT, 12: committee, 13: _secure_metrics(5) | DP_REPORT}
+    mean = object()
+    result = SecureRound(mean, {n: NodeOutcome(metrics=m) for n, m in nodes.items()}, {11, 12, 13}, 2, 3)
+    rows = _secure_rows(names.values())
+    plan = _secagg_plan(mode="example", noise_multiplier=1.0)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        released = _train_secure(_ScriptedSecure(result), _Round(None, None, 3, rows, names, 5.0), ["m"] * 3, plan)
+    if corrupt is None:
+        assert released is mean and logged(caplog) == []
+        assert all(
+            (r["failed"], r["epsilon"], r["dp_steps"], r["clipped_fraction"]) == (0, 2.0, 4, 0.25)
+            for r in rows.values()
+        )
+        return
+    assert released is None and all(rows[c]["failed"] == 1 for c in rows)
+    assert problem in rows["Committee"]["error"] and "['Committee']" in rows["Academic"]["error"]
+    logs(logged(caplog), "round 3", "Committee", problem)
 
 
 @pytest.mark.parametrize("corrupt, problem", [("no metrics", "num-examples"), ("a list", "secagg-clipped")])
@@ -1767,7 +1866,7 @@ def test_a_masked_vector_reply_whose_metrics_flower_cannot_read_halts_the_round_
     rows = _secure_rows(names.values())
     secure = SecureAggregator(SecAggConfig(), max_weight=2, timeout=5.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), msgs) is None
+        assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), msgs, _secagg_plan()) is None
     assert all(rows[c]["failed"] == 1 for c in rows) and "['Committee']" in rows["Academic"]["error"]
     assert rows["Committee"]["error"].startswith("it cannot be decoded") and problem in rows["Committee"]["error"]
     assert len(logged(caplog)) == 3 and logs(logged(caplog), "round 3", "Committee", problem)
@@ -1803,7 +1902,7 @@ def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed
     wrapper = Wrapper()
     rows = _secure_rows(names.values())
     exchange = _Round(None, wrapper, 6, rows, names, 5.0)
-    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 4) == "noised"
+    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 4, _secagg_plan(**CLIENT_DP)) == "noised"
     assert wrapper.calls == [(6, mean, 1, 3)]
     assert exchange.clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
     assert rows["Academic"]["secagg_clipped"] == 1 and rows["Committee"]["secagg_clipped"] == 0

@@ -186,7 +186,7 @@ def train_round(msg: Message, context: Context) -> Message:
     # The weight follows what trained (train.weight_by: trained); "full" asks for the client's whole train size,
     # which differs only under the CPU profile's cap (max_train_examples_per_client).
     values = vars(result) | {"weight": data.n_train_available if plan.train.weight_by == "full" else result.n_examples}
-    metrics = MetricRecord({key: kind(values[field]) for key, (field, kind) in TRAIN_METRICS.items()})
+    metrics = MetricRecord({key: kind(values[field]) for key, (field, kind, *_) in TRAIN_METRICS.items()})
     before = privacy.dp_steps(context) or 0
     metrics.update(privacy.account(context, result))  # example-level DP's (epsilon, delta) so far
     if (steps := privacy.dp_steps(context)) is not None:  # on disk before the reply leaves

@@ -27,6 +27,7 @@ from pipeline.federation.admission import connected_nodes
 from pipeline.federation.client_app import client_app, client_dir, client_name, served_plan
 from pipeline.federation.protocol import (
     CONFIG_KEY,
+    COUNT,
     METRICS_KEY,
     PLAN_HASH,
     error_line,
@@ -65,7 +66,7 @@ GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 # a summarize reply's metrics (protocol.metrics_row's spec): its scores (ROUGE F1 x 100, in [0, 100]) and its counts
 SUMMARY_METRICS = {k: (k, float, 0, 100) for k in SCORE_KEYS} | {
-    k: (k, int) for k in ("n", "n_test", "skipped_by_subsampling")
+    k: (k, *COUNT) for k in ("n", "n_test", "skipped_by_subsampling")
 }
 ROUND_KEYS = ("clients", "skipped_clients", "mean", "failed_clients")  # rounds.json's: kept without MLflow too
 

@@ -3,6 +3,7 @@ metrics a reply holds, the plan a message refers to, and the adapters as they go
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,38 +27,44 @@ IDENTIFY = "query.identify"
 START_OVER = "start-over"  # in the admission's query.identify: the run starts at round 1 (client_app.client_identify)
 PLAN_HASH = "plan-hash"  # query.identify's: the server's plan (Plan.hash); its reply's: the node's (refused if other)
 
+COUNT = (int, 0, math.inf)  # a count's type and bounds in a spec (metrics_row's): a whole number >= 0
 # What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight),
 # each with its history row field (the LocalResult attribute it comes from, but for the weight) and type.
 TRAIN_METRICS = {
-    NUM_EXAMPLES_KEY: ("weight", int),
-    "num-trained": ("n_examples", int),
-    NUM_STEPS_KEY: ("n_steps", int),
-    "num-tokens": ("n_tokens", int),
+    NUM_EXAMPLES_KEY: ("weight", *COUNT),
+    "num-trained": ("n_examples", *COUNT),
+    NUM_STEPS_KEY: ("n_steps", *COUNT),
+    "num-tokens": ("n_tokens", *COUNT),
     "train-loss": ("train_loss", float),
     "ce": ("ce", float),
     "kd": ("kd", float),
     "kd-fraction": ("kd_fraction", float),
     "proximal": ("proximal", float),
 }
-# What an evaluate reply's MetricRecord holds besides NUM_EXAMPLES_KEY (client_app.client_evaluate), as TRAIN_METRICS.
-EVAL_METRICS = {"val-loss": ("val_loss", float), "val-tokens": ("val_tokens", int), "best-round": ("best_round", int)}
+# What an evaluate reply's MetricRecord holds besides NUM_EXAMPLES_KEY (client_app.client_evaluate), as TRAIN_METRICS;
+# a mean token CE, finite (every admitted client has validation examples: admission.identify_clients).
+EVAL_METRICS = {
+    "val-loss": ("val_loss", float, 0, math.inf),
+    "val-tokens": ("val_tokens", *COUNT),
+    "best-round": ("best_round", *COUNT),
+}
 # Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
-# history row field (privacy_row) and type; an unbounded epsilon or max_grad_norm travels as -1.
+# history row field (train_reply_row reads them) and type; an unbounded epsilon or max_grad_norm travels as -1.
 DP_METRICS = {
     "dp-epsilon": ("epsilon", float),
     "dp-delta": ("delta", float),
     "dp-noise-multiplier": ("noise_multiplier", float),
     "dp-max-grad-norm": ("max_grad_norm", float),
     "dp-sample-rate": ("sample_rate", float),
-    "dp-steps": ("dp_steps", int),
-    "dp-examples": ("dp_examples", int),
-    "dp-clipped": ("dp_clipped", int),
+    "dp-steps": ("dp_steps", *COUNT),
+    "dp-examples": ("dp_examples", *COUNT),
+    "dp-clipped": ("dp_clipped", *COUNT),
 }
 # Added under privacy.mode client with client-side clipping: whether the update exceeded C before the mod clipped it.
 CLIPPED_KEY = "dp-update-clipped"
 # Added under SecAgg+: the upload coordinates its quantiser clipped to +-clipping_range.
 SECAGG_CLIPPED_KEY = "secagg-clipped"
-SECAGG_METRICS = {SECAGG_CLIPPED_KEY: ("secagg_clipped", int)}  # as TRAIN_METRICS
+SECAGG_METRICS = {SECAGG_CLIPPED_KEY: ("secagg_clipped", *COUNT)}  # as TRAIN_METRICS
 
 
 # A client's run-time settings (RunSettings.cache; none changes a result); a client never reads a params file.
@@ -193,7 +200,7 @@ def payload_bytes(content: RecordDict) -> int:
 
 def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple], what: str = "metrics") -> dict[str, Any]:
     """A reply's metrics ``spec`` names (key -> history row field or None, type[, lowest, highest]) as the row's fields;
-    a key missing or a value not one number of its type (an int: whole) within the bounds given (both in: finite)
+    a key missing or a value not one number of its type (an int: whole) within the bounds given (both in; finite)
     raises ValueError naming it and ``what`` they are (a malformed reply: its failure)."""
     if odd := {key: m.get(key) for key, (_, *kind) in spec.items() if not _number(m.get(key), *kind)}:
         raise ValueError(f"its {what} lack or hold no single number of their type: {odd}")
@@ -201,32 +208,45 @@ def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple], what: str = "met
 
 
 def train_reply_metrics(content: RecordDict, plan: Plan) -> dict[str, Any]:
-    """A train reply's metrics in the clear as its row's fields, checked as Flower's strategies need every reply of a
-    round (or they raise InconsistentMessageReplies, ending the run): one ArrayRecord ARRAYS_KEY and one MetricRecord
-    METRICS_KEY with the keys ``plan``'s replies hold, each one number of its type: TRAIN_METRICS; DP_METRICS under
-    example-level DP; under client-side clipping (no row fields) Flower's mod's KEY_NORM_BIT if adaptive, and
-    CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C), each 0 or 1 (ClientLevelDP reads
-    them with int()). Else ValueError naming it."""
+    """A train reply's metrics in the clear as train_reply_row reads them, the reply checked as Flower's strategies
+    need every reply of a round (or they raise InconsistentMessageReplies, ending the run): one ArrayRecord
+    ARRAYS_KEY and one MetricRecord METRICS_KEY. Else ValueError naming it."""
     records = (list(content.array_records), list(content.metric_records))
     if records != ([ARRAYS_KEY], [METRICS_KEY]):
         raise ValueError(f"its array and metric records are not [{ARRAYS_KEY!r}], [{METRICS_KEY!r}]: {records}")
-    p, m = plan.privacy, content.metric_records[METRICS_KEY]
+    return train_reply_row(content.metric_records[METRICS_KEY], plan)
+
+
+def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
+    """A train reply's metrics (in the clear, or those SecAgg+'s FitRes carried) as its row's fields, its DP-SGD
+    report read (-1: unbounded): the keys ``plan``'s replies hold and no other, each one number of its type:
+    TRAIN_METRICS; DP_METRICS under example-level DP; SECAGG_METRICS under SecAgg+ (whose legacy_fit sends the
+    clipping marks in the masked vector); in the clear under client-side clipping (no row fields) Flower's mod's
+    KEY_NORM_BIT if adaptive, and CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C),
+    each 0 or 1 (ClientLevelDP reads them with int()). Else, or unless it trained (num-examples, num-steps at least
+    1: FedAvg divides by the weights' sum, FedNova by each client's steps; a client with an empty train split cannot
+    even identify: client_data.read_partition), ValueError naming it."""
+    p = plan.privacy
     spec = TRAIN_METRICS | (DP_METRICS if p is not None and p.mode == "example" else {})
-    if p is not None and p.mode == "client" and p.clipping_side == "client":
+    if p is not None and p.secure_aggregation:
+        spec |= SECAGG_METRICS
+    elif p is not None and p.mode == "client" and p.clipping_side == "client":
         marks = ({KEY_NORM_BIT} if p.clipping == "adaptive" else set()) | ({CLIPPED_KEY} & m.keys())
         spec |= {key: (None, int, 0, 1) for key in sorted(marks)}
     if extra := sorted(m.keys() - spec.keys()):
         raise ValueError(f"its metrics hold keys the plan's replies do not: {extra}")
-    return metrics_row(m, spec)
+    row = metrics_row(m, spec)
+    if row["weight"] < 1 or row["n_steps"] < 1:
+        raise ValueError(f"it reports no training: num-examples {row['weight']}, num-steps {row['n_steps']}")
+    if "epsilon" not in row:
+        return row
+    row |= {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
+    return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}
 
 
 def _number(value: Any, kind: type, *within: float) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or within and not within[0] <= value <= within[1]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if within and not (within[0] <= value <= within[1] and abs(value) < math.inf):  # NaN fails the comparisons
         return False
     return kind is float or float(value).is_integer()
-
-
-def privacy_row(row: dict[str, Any]) -> dict[str, Any]:
-    """``row`` (metrics_row's of a reply's DP_METRICS) with its DP-SGD report read (-1 on the wire: None)."""
-    row = row | {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
-    return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}

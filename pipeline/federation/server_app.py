@@ -19,12 +19,9 @@ from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
-    DP_METRICS,
     EVAL_METRICS,
     METRICS_KEY,
     PLAN_HASH,
-    SECAGG_METRICS,
-    TRAIN_METRICS,
     GridView,
     client_settings_config,
     decode_global,
@@ -35,9 +32,9 @@ from pipeline.federation.protocol import (
     metrics_row,
     misnamed,
     payload_bytes,
-    privacy_row,
     replies_by_node,
     train_reply_metrics,
+    train_reply_row,
     unanswered,
 )
 from pipeline.federation.strategies.catalog import build_strategy
@@ -160,7 +157,7 @@ def run_server(
         if secure is None:
             new_arrays = _train_in_the_clear(exchange, messages, plan, base, sent)
         else:
-            new_arrays = _train_secure(secure, exchange, messages)
+            new_arrays = _train_secure(secure, exchange, messages, plan)
 
         # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; under
         # client-level DP each update weighs 1 / the expected count, whoever replied).
@@ -249,15 +246,6 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         del r.node_names[node]
 
 
-def _train_metrics(row: dict[str, Any]) -> dict[str, Any]:
-    """A train reply's row fields (metrics_row's of TRAIN_METRICS, and DP_METRICS) with its DP-SGD report read;
-    ValueError unless it trained (num-examples, num-steps at least 1: FedAvg divides by the weights' sum, FedNova by
-    each client's steps; a client with an empty train split cannot even identify: client_data.read_partition)."""
-    if row["weight"] < 1 or row["n_steps"] < 1:
-        raise ValueError(f"it reports no training: num-examples {row['weight']}, num-steps {row['n_steps']}")
-    return privacy_row(row) if "epsilon" in row else row
-
-
 def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
     """A sampled client's update is not in the round's aggregate: its row is marked failed, ``why`` its error unless
     the caller recorded one already (a failure's first line, a SecAgg+ stage's)."""
@@ -285,7 +273,7 @@ def _train_in_the_clear(
             r.misnamed.add(node)
         else:  # the strategy aggregates float32 states: decode the reply in place (a delta against `sent`)
             try:
-                metrics = _train_metrics(train_reply_metrics(reply.content, plan))
+                metrics = train_reply_metrics(reply.content, plan)
                 reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
                 update = r.client_level.clipped(reply, base, r.clipping_norm) if r.client_level else (0, 0.0)
                 why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
@@ -303,20 +291,19 @@ def _train_in_the_clear(
     return r.strategy.aggregate_train(r.rnd, [reply for reply in replies.values() if id(reply) not in left_out])[0]
 
 
-def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | None:
+def _train_secure(secure, r: _Round, messages: list[Message], plan: Plan) -> ArrayRecord | None:
     """The train step of a SecAgg+ round (``secure``: privacy's SecureAggregator, built by its seam); under client-level
     DP the noise is added to the unmasked mean here, and ``r.clipped`` gets each summed client's share of the clipped
-    count (whose updates, the server does not learn). A summed client whose metrics cannot be decoded fails the
-    round: its masked vector cannot be taken out of the sum, which is not released (the global stays, as when the
-    protocol halts)."""
+    count (whose updates, the server does not learn). A summed client whose metrics cannot be decoded (not those of
+    ``plan``'s replies: protocol.train_reply_row) fails the round: its masked vector cannot be taken out of the sum,
+    which is not released (the global stays, as when the protocol halts)."""
     result, undecodable = secure.train_round(r.grid, messages, r.rnd), []
     for node, outcome in result.nodes.items():
         row = r.rows[r.node_names[node]]
         row["bytes_down"], row["bytes_up"] = outcome.bytes_down, outcome.bytes_up
         try:
-            if (m := outcome.metrics) is not None:  # the dict SecAgg+'s FitRes carried
-                dp = DP_METRICS if "dp-epsilon" in m else {}
-                row.update(_train_metrics(metrics_row(m, TRAIN_METRICS | dp)) | metrics_row(m, SECAGG_METRICS))
+            if outcome.metrics is not None:  # the dict SecAgg+'s FitRes carried
+                row.update(train_reply_row(outcome.metrics, plan))
         except ValueError as exc:
             row["error"] = f"it cannot be decoded: {exc}"
             undecodable += [row["client"]] if node in result.in_sum else []

@@ -133,7 +133,7 @@ def account(context, result) -> dict[str, float | int]:
     eps = bound(setting.noise_multiplier, setting.sample_rate, total, setting.delta, setting.accountant)[0]
     values = vars(result) | vars(setting) | {"epsilon": eps, "dp_steps": total}
     return {
-        key: -1.0 if values[field] == math.inf else kind(values[field]) for key, (field, kind) in DP_METRICS.items()
+        key: -1.0 if values[field] == math.inf else kind(values[field]) for key, (field, kind, *_) in DP_METRICS.items()
     }
 
 
