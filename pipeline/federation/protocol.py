@@ -42,9 +42,9 @@ TRAIN_METRICS = {
     "proximal": ("proximal", float),
 }
 # What an evaluate reply's MetricRecord holds besides NUM_EXAMPLES_KEY (client_app.client_evaluate), as TRAIN_METRICS;
-# a mean token CE, finite (every admitted client has validation examples: admission.identify_clients).
+# val-loss any float: a diverged client's NaN or inf is its report (a NaN round mean is never best: training.stopping).
 EVAL_METRICS = {
-    "val-loss": ("val_loss", float, 0, math.inf),
+    "val-loss": ("val_loss", float),
     "val-tokens": ("val_tokens", *COUNT),
     "best-round": ("best_round", *COUNT),
 }
@@ -200,7 +200,7 @@ def payload_bytes(content: RecordDict) -> int:
 
 def metrics_row(m: MetricRecord | dict, spec: dict[str, tuple], what: str = "metrics") -> dict[str, Any]:
     """A reply's metrics ``spec`` names (key -> history row field or None, type[, lowest, highest]) as the row's fields;
-    a key missing or a value not one number of its type (an int: whole) within the bounds given (both in; finite)
+    a key missing or a value not one number of its type (an int: whole) within the bounds given (both in: finite)
     raises ValueError naming it and ``what`` they are (a malformed reply: its failure)."""
     if odd := {key: m.get(key) for key, (_, *kind) in spec.items() if not _number(m.get(key), *kind)}:
         raise ValueError(f"its {what} lack or hold no single number of their type: {odd}")
@@ -245,8 +245,6 @@ def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
 
 
 def _number(value: Any, kind: type, *within: float) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    if within and not (within[0] <= value <= within[1] and abs(value) < math.inf):  # NaN fails the comparisons
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or within and not within[0] <= value <= within[1]:
         return False
     return kind is float or float(value).is_integer()
