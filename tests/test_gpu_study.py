@@ -933,37 +933,3 @@ def test_a_reimport_after_a_cut_import_leaves_one_run_of_the_record_not_an_orpha
     children = client.search_runs(experiments, "tags.`mlflow.parentRunId` LIKE '%'")
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {run_id}
     assert sorted(r.data.tags["client"] for r in children) == clients
-
-
-def test_an_import_cut_before_its_evaluation_tag_logs_each_metric_point_once_when_resumed(tmp_path, monkeypatch):
-    """An import cut after logging a run's evaluation but before its evaluation tag (:data:`importer.EVALUATED`)
-    logged the evaluation again when resumed: the headline metrics and each client's scores a second time at step 0,
-    the same values, two points of one measurement in MLflow's history. Resumed, each metric point is in once."""
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.results.tracking import RunLogger
-
-    exp, dest, uri = _imported_call(tmp_path, monkeypatch)
-    (dest / "eval" / exp).mkdir(parents=True)
-    shutil.copy(ROOT / "reports/cpu-study/eval" / exp / "metrics.json", dest / "eval" / exp / "metrics.json")
-    tag = RunLogger.set_tags
-
-    def cut_tag(self, tags):
-        if importer.EVALUATED in tags:
-            raise OSError("the import was cut here")
-        tag(self, tags)
-
-    monkeypatch.setattr(RunLogger, "set_tags", cut_tag)
-    with pytest.raises(OSError, match="cut here"):
-        importer.log_runs(dest, "gpu")
-    monkeypatch.setattr(RunLogger, "set_tags", tag)
-    (run_id,) = importer.log_runs(dest, "gpu")
-    client = MlflowClient(tracking_uri=uri)
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    runs = [client.get_run(run_id), *client.search_runs(experiments, f"tags.`mlflow.parentRunId` = '{run_id}'")]
-    evaluation = json.loads((dest / "eval" / exp / "metrics.json").read_text())
-    assert runs[0].data.metrics["client_avg/avg_ROUGE"] == pytest.approx(evaluation["mean"]["avg_rouge"])
-    for run in runs:
-        for key in run.data.metrics:
-            steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
-            assert len(steps) == len(set(steps)), (run.data.tags.get("client"), key, steps)

@@ -213,7 +213,7 @@ def log_to_mlflow(
         if run_id
         else RunLogger.start(study, name, {}, {"experiment": name, **tags}, clients=tuple(metrics["clients"]))
     )
-    logger.log_metrics(headline_metrics(metrics), step=0, again=False)
+    logger.log_metrics(headline_metrics(metrics), step=0)
     # The record's evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a
     # trained run with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
     settings = {"adapter": metrics.get("adapter", cfg.adapter)} | (metrics.get("decoding") or {})
@@ -226,7 +226,7 @@ def log_to_mlflow(
     models = logger.models if settings["adapter"] == "best" else {}  # the logged models are the best adapters
     for client, scores in metrics["clients"].items():
         client_scores = {f"{client}.{k}": scores[k] for k in SCORE_KEYS}
-        logger.log_metrics(client_scores, 0, models.get(client), (test_sets or {}).get(client), again=False)
+        logger.log_metrics(client_scores, 0, models.get(client), (test_sets or {}).get(client))
     logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
     if cfg.log_text_to_mlflow and (eval_dir / "predictions.jsonl").is_file():  # federated: the text stayed on clients
         logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")

@@ -290,11 +290,8 @@ class RunLogger:
             atomic.write_text(run_id_file, logger.run_id)
         return logger
 
-    def log_metrics(
-        self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None, again: bool = True
-    ) -> None:
-        """Log ``metrics`` at ``step`` (NaN, None left out; a client's to its run) for ``model_id`` on ``dataset``. Not
-        ``again``: a value its run shows already (its latest, logged before a cut) is not logged a second time."""
+    def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None) -> None:
+        """Log ``metrics`` at ``step`` (NaN, None left out; a client's to its run) for ``model_id`` on ``dataset``."""
         from mlflow.entities import Metric  # lazy: mlflow, as above
 
         now, rows = int(time.time() * 1000), {}
@@ -307,8 +304,7 @@ class RunLogger:
                     Metric(rest if run_id else key, float(v), now, step, model_id=model_id, **data)
                 )
         for run_id, batch in rows.items():
-            shown = {} if again else self._client.get_run(run_id).data.metrics
-            self._client.log_batch(run_id, metrics=[m for m in batch if shown.get(m.key) != m.value])
+            self._client.log_batch(run_id, metrics=batch)
 
     def metric_history(self, key: str) -> list:
         return self._client.get_metric_history(self.run_id, key)
