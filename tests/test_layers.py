@@ -236,6 +236,12 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # are that node's failure (+21); bad-input lines name the params file actually read, a folder as --params, a
 # partition without clients (+8); the entropy figure's unit and main-study runs of several gates refused (+7); a
 # public tracking.find_runs for the GPU kit's importer (+5); a packed line split, one SuperNode log name a process.
+# The eighteenth session: -110 from structure (rewriting lenses on results, training and modeling, federation's site
+# tools, privacy, configuration and data: one-caller helpers and pass-throughs inlined, returns no caller read, the
+# local deployment's configs as TOML files Flower reads, flwr run's output read from its log, a test-only entropy moved
+# to the tests; outputs identical), +21 for its fixes: counts in replies >= 0 and one train-reply spec for the clear and
+# SecAgg+ paths (+9), a partition split that is no list of ids or no valid split (+3), the kit's run_config.toml with
+# text outside the BMP, a key.json field not text, run-time keys checked once per path, a tau-sweep check at planning.
 PACKAGE_LINE_CEILING = 15_029
 
 
