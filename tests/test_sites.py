@@ -47,6 +47,26 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
     assert ServerRunConfig().timeouts() == (1800.0, 600.0) and ServerRunConfig().evaluate_config().num_beams == 1
 
 
+def test_a_kit_for_a_client_of_the_plan_its_partition_lacks_is_one_line_naming_it(ws, tmp_path):
+    """The plan names Product but the partition file (hand-edited, or re-partitioned) has no Product: before, a
+    KeyError traceback in write_kit; now read_partition's DataError naming the file and the client."""
+    from pipeline.common.schema import DataError
+    from pipeline.federation.cli import write_kit
+    from pipeline.paths import PATHS
+
+    plan = write_plan("kit-no-client", "fedavg", rounds=1)
+    path = PATHS.partition("domain/seed0")
+    original = path.read_text()  # the workspace is shared by this module's tests: restored after
+    partition = json.loads(original)
+    del partition["clients"]["Product"]
+    path.write_text(json.dumps(partition))
+    try:
+        with pytest.raises(DataError, match="'Product'"):
+            write_kit(plan, tmp_path / "x", "Product")
+    finally:
+        path.write_text(original)
+
+
 def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path, monkeypatch):
     from pipeline.federation.admission import identify_clients
     from pipeline.federation.cli import write_kit

@@ -18,7 +18,13 @@ from pipeline.common import atomic
 from pipeline.common.config import ConfigError
 from pipeline.common.schema import DataError
 from pipeline.experiments.plans import read_plan
-from pipeline.federation.localhost import LocalhostConfig, run_localhost, server_run_config, status_command
+from pipeline.federation.localhost import (
+    LocalhostConfig,
+    run_localhost,
+    server_run_config,
+    status_command,
+    write_config_toml,
+)
 from pipeline.paths import PATHS
 
 RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
@@ -67,14 +73,11 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
     shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
     written = [Path(plan_path), backbone]
     if run_config is not None:
-        # JSON's strings, numbers and booleans are TOML's too, but not its escapes of a character outside the BMP
-        atomic.write_text(
-            out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v, ensure_ascii=False)}\n" for k, v in run_config.items())
-        )
+        write_config_toml(out / RUN_CONFIG, run_config)
         return [*written, Path(RUN_CONFIG)]
 
     part_path = Path(plan.paths["partition"])
-    splits = (partition := read_partition(part_path))["clients"][client]
+    splits = (partition := read_partition(part_path, client))["clients"][client]
     ids = {str(i) for split in splits.values() for i in split}
     # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
     part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
