@@ -137,6 +137,13 @@ def merge_profile(params: dict[str, Any], profile: dict[str, Any], top: bool = T
     return params
 
 
+def merged_params(repo: Path, profile: Path) -> dict[str, Any]:
+    """``repo``'s params.yaml with the study ``profile`` merged (merge_profile): what a workspace runs."""
+    import yaml  # PyYAML: on the lent image (transformers needs it)
+
+    return merge_profile(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(profile.read_text()))
+
+
 def train_sets(experiments: list[str], processes: int) -> list[list[str]]:
     """The experiments cut into ``processes`` sets, each a train process: whole arms (every seed of an arm in one
     set, so a client's seeds still stack in one group), dealt round-robin in the profile's order."""
@@ -270,7 +277,7 @@ def make_workspace(repo: Path, work: Path, carry: Path, profile: Path) -> dict[s
         shutil.rmtree(work)
     for top in CODE:
         shutil.copytree(repo / top, work / top, ignore=shutil.ignore_patterns("__pycache__"))
-    params = merge_profile(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(profile.read_text()))
+    params = merged_params(repo, profile)
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, width=4096))
     with tarfile.open(carry / "raw.tar.gz") as tar:
         tar.extractall(work / "data/raw", filter="data")
@@ -478,9 +485,7 @@ def params_changed(repo: Path, profile: Path, repo_dir: Path) -> list[str]:
     the one ``repo``'s params.yaml with ``profile`` merged gives now."""
     import yaml  # PyYAML: on the lent image (transformers needs it)
 
-    sent = _leaves(
-        merge_profile(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(profile.read_text()))
-    )
+    sent = _leaves(merged_params(repo, profile))
     ran = _leaves(yaml.safe_load((repo_dir / "params.yaml").read_text()))
     return sorted(k for k in sent.keys() | ran.keys() if k not in sent or k not in ran or sent[k] != ran[k])
 

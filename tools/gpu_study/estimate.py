@@ -20,7 +20,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tools.gpu_study.device import PROFILE, REPO, merge_profile
+from tools.gpu_study.device import PROFILE, REPO, merged_params
 
 TIMINGS = REPO / "reports/cpu-study/timing/device-study.json"
 CPU_STUDY_ROUNDS = 8  # configs/cpu-study.yaml train.rounds
@@ -42,14 +42,13 @@ def measured(timings: dict[str, float]) -> dict[str, dict[str, float]]:
 def floor_flops_per_round(n_train: int, n_valid: int, two_paths: bool) -> float:
     """One run's round at the study's shapes: every training example forward + backward, every validation example
     forward, on the prefix-cached path (a KD arm runs the teacher's top path forward as well)."""
-    import yaml
 
     from benchmarks.common import default_shape
     from benchmarks.flops import step_flops, top_path
     from pipeline.common.config import from_dict
     from pipeline.experiments.model import ModelConfig
 
-    params = merge_profile(yaml.safe_load((REPO / "params.yaml").read_text()), yaml.safe_load(PROFILE.read_text()))
+    params = merged_params(REPO, PROFILE)
     shape_keys = {f.name for f in dataclasses.fields(ModelConfig)}  # the model's shape, not the cache settings
     model = {k: v for k, v in params["model"].items() if k in shape_keys}
     shape = default_shape(from_dict(ModelConfig, model, "model"), batch_size=1)

@@ -32,9 +32,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tools.gpu_study.device import PROFILE, REPO, UNUSED, merge_profile, pack_weights
+from tools.gpu_study.device import PROFILE, REPO, UNUSED, merged_params, pack_weights
 
 HERE = Path(__file__).resolve().parent
 MiB = 1024 * 1024
@@ -232,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--python", default="3.12", help="the lent machine's CPython version (another: a check here)")
     args = ap.parse_args(argv)
     root = args.root.resolve()
-    params = merge_profile(yaml.safe_load((root / "params.yaml").read_text()), yaml.safe_load(args.profile.read_text()))
+    params = merged_params(root, args.profile)
     wheel_files = wheels(pinned(root / "pyproject.toml", REQUIREMENTS), root / ".gpu-study/cache", args.python)
     tree = working_tree_bytes(root)
     room = LIMIT - tree - int(args.margin * MiB)
