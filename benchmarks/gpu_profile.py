@@ -258,7 +258,7 @@ def pyspy_top(path: Path, n: int = TOP) -> dict[str, list[tuple[str, int]]]:
             continue
         total += int(count)
         own[frames[-1]] += int(count)
-        for frame in set(frames):
+        for frame in dict.fromkeys(frames):  # each frame once, in stack order: ties rank alike in every process
             within[frame] += int(count)
     return {"samples": total, "own": own.most_common(n), "within": within.most_common(4 * n)}
 

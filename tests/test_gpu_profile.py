@@ -4,6 +4,9 @@ measurement runs end to end on this CPU (tiny model)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -89,6 +92,29 @@ def test_pyspy_top_counts_own_and_enclosing_frames(tmp_path):
     assert top["own"][:1] == [("matmul", 3)]
     assert dict(top["within"])["train"] == 5 and dict(top["within"])["main"] == 6
     assert gpu_profile.pyspy_top(tmp_path / "absent.txt")["samples"] == 0
+
+
+def test_pyspy_top_ranks_frames_of_equal_count_alike_in_every_process(tmp_path):
+    """Frames in every stack tie (engine.md section 5: main, run_set, run ... 680 samples each); they were counted
+    in a set's order, which string hashing changes per process, so the committed section drifted from the one
+    generated from the same files. Ties now rank outermost first, whatever PYTHONHASHSEED is."""
+    raw = tmp_path / "raw.txt"
+    raw.write_text("".join(f"main;run;set;step{i};kernel 2\n" for i in range(4)))
+    code = f"from benchmarks import gpu_profile; print(gpu_profile.pyspy_top(__import__('pathlib').Path({str(raw)!r})))"
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env=os.environ | {"PYTHONHASHSEED": str(seed)},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(6)
+    }
+    assert len(seen) == 1
+    within = [name for name, _ in gpu_profile.pyspy_top(raw)["within"]]
+    assert within[:4] == ["main", "run", "set", "kernel"]
 
 
 def test_replace_section_keeps_the_other_sections(tmp_path):
