@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from pipeline.experiments.entries import Experiment, with_labels
 from pipeline.results import claims, comparisons, readers
@@ -459,34 +461,75 @@ def test_replace_block_rewrites_only_between_the_markers():
         claims.replace_block("no markers", "x")
 
 
-def test_committed_readme_blocks_equal_what_the_study_generates():
-    """Both READMEs' results blocks are what `python -m pipeline.report claims` renders from the committed
-    reports/cpu-study/comparisons.csv and train/ rounds files: a number edited by hand, or a table that moved
-    without the text, fails here."""
+def _claims_check(study: str, *files: str) -> None:
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.report",
-            "claims",
-            "reports/cpu-study",
-            "README.md",
-            "reports/cpu-study/README.md",
-            "--check",
-        ],
+        [sys.executable, "-m", "pipeline.report", "claims", study, *files, "--check"],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    block = _block((ROOT / "README.md").read_text(encoding="utf-8"))
-    assert "56 of 60 client-runs" in block  # the evaluated runs, from their rounds files (fedavg seed 1 is not one)
-    comp = pd.read_csv(ROOT / "reports/cpu-study/comparisons.csv")
-    main = comp[(comp["study"] == "main") & (comp["client"] == comparisons.AVERAGE) & (comp["metric"] == "avg_rouge")]
-    assert {frozenset(p) for p in zip(main["method_a"], main["method_b"])} == {
-        frozenset(p) for p in itertools.combinations(MAIN, 2)
-    }
-    assert set(PUBLISHED_COLUMNS) <= set(comp.columns)
+
+
+def test_committed_readme_blocks_equal_what_the_study_generates():
+    """The READMEs' results blocks are what `python -m pipeline.report claims` renders from the committed
+    comparisons.csv and train/ rounds files (README.md's and the GPU study's from reports/gpu-study, the CPU
+    study's from reports/cpu-study): a number edited by hand, or a table that moved without the text, fails here."""
+    _claims_check("reports/gpu-study", "README.md", "reports/gpu-study/README.md")
+    _claims_check("reports/cpu-study", "reports/cpu-study/README.md")
+    assert "56 of 60 client-runs" in _block((ROOT / "reports/cpu-study/README.md").read_text(encoding="utf-8"))
+    for study in ("gpu-study", "cpu-study"):
+        comp = pd.read_csv(ROOT / "reports" / study / "comparisons.csv")
+        main = comp[
+            (comp["study"] == "main") & (comp["client"] == comparisons.AVERAGE) & (comp["metric"] == "avg_rouge")
+        ]
+        assert {frozenset(p) for p in zip(main["method_a"], main["method_b"])} == {
+            frozenset(p) for p in itertools.combinations(MAIN, 2)
+        }
+        assert set(PUBLISHED_COLUMNS) <= set(comp.columns)
+
+
+def test_the_readmes_words_on_the_gpu_study_are_its_files():
+    """README.md's paragraph above the block: the device, the seeds an arm, each run to its stop rule, the runs left
+    unevaluated (FedAvg's and the quantile gate's), and the CPU study's round budget, from the committed files."""
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    gpu = ROOT / "reports/gpu-study"
+    device = json.loads((gpu / "device/study.json").read_text())["device"]["gpu"].split(",")[0]
+    assert f"run on a lent {device}." in text
+    experiments = yaml.safe_load((gpu / "params.yaml").read_text())["experiments"]
+    seeds: dict[str, list[int]] = {}
+    for name, e in experiments.items():  # <arm>-s<seed>
+        seeds.setdefault(name.rsplit("-s", 1)[0], []).append(e["seed"])
+    assert {tuple(sorted(v)) for v in seeds.values()} == {(0, 1, 2, 3, 4)} and "five paired seeds" in text
+    runs = {d.name: json.loads((d / "metrics.json").read_text()) for d in (gpu / "runs").iterdir()}
+    assert set(runs) == set(experiments) and all(m["converged"] for m in runs.values())
+    unevaluated = {n for n in experiments if not (gpu / "eval" / n / "metrics.json").is_file()}
+    assert {n.rsplit("-s", 1)[0] for n in unevaluated} == {"fedavg-domain", "fedselectkd-quantile"}
+    assert "fedavg-domain-s0" not in unevaluated  # FedAvg has fewer seeds than the others, the quantile gate none
+    assert all(f"fedselectkd-quantile-s{s}" in unevaluated for s in range(5))
+    rounds = yaml.safe_load((ROOT / "reports/cpu-study/params.yaml").read_text())["train"]["rounds"]
+    assert f"`configs/cpu-study.yaml` ({rounds} rounds, runs still improving)" in text
+
+
+def test_the_gpu_study_is_what_its_rebuild_writes_without_the_summaries(tmp_path):
+    """reports/gpu-study holds no predictions.jsonl (the import removes them after its rebuild): a rebuild of the
+    committed folder, its tables and its intervals removed, takes the identical fractions from its comparisons.csv
+    and writes the same comparisons and tables, to the byte."""
+    study = ROOT / "reports/gpu-study"
+    assert not list(study.glob("eval/*/predictions.jsonl"))
+    copy = tmp_path / "gpu-study"
+    shutil.copytree(study, copy)
+    for f in copy.glob("tables/*"):
+        f.unlink()
+    comp = pd.read_csv(copy / "comparisons.csv")  # what the rebuild computes gone; the identical fractions kept
+    comp[["mean_diff", "ci_low", "ci_high", "p_value", "p_holm", "significant"]] = None
+    comp.to_csv(copy / "comparisons.csv", index=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.report", "rebuild", str(copy)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    for f in (study / "comparisons.csv", *sorted(study.glob("tables/*"))):
+        assert (copy / f.relative_to(study)).read_bytes() == f.read_bytes(), f
 
 
 # --- the report stage and the study rebuild -------------------------------------------------------------------

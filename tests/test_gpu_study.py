@@ -109,6 +109,7 @@ def test_carry_split_over_staging_calls_reassembles_the_weights(tmp_path):
     calls = prepare.lease_calls(m)
     assert len(calls) == len(stages) + 2
     assert [c.rsplit(" ", 1)[-1] for c in calls[: len(stages)]] == [f".gpu-study/{n}" for n in stages]
+    assert calls[0].startswith("kind nvidia-h200, carry ") and not any("kind" in c for c in calls[1:])
     assert calls[-2].startswith('carry [".gpu-study/carry"], limit ') and "--carry .gpu-study/carry" in calls[-2]
     # each call's budget ends inside what the lease has left (the tool cuts the call there, before its files are
     # packed), the study's too: a machine start that failed once leaves under 600 s for it
@@ -318,6 +319,12 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     assert not list(dest.rglob("gate_log.parquet"))  # client token ids stay out
     readme = (dest / "README.md").read_text()
     assert "completed every step" in readme and "2 call(s)" in readme
+    assert (
+        "{0} runs finished training ({0} converged by the stop rule of `train.stop`) and {0} were evaluated.".format(
+            len(experiments)  # every run trained, converged and was evaluated
+        )
+        in readme
+    )
     assert "| train@2 | failed (timeout) | " in readme and "| train@1 | ok | " in readme
 
 
@@ -727,9 +734,9 @@ def test_the_gpu_lease_docs_call_settings_are_the_tools_and_the_profiles():
 
 def test_the_gpu_lease_docs_warm_up_pace_is_the_committed_calls_backbone_record():
     """docs/gpu-lease.md: the GPU study call's warm-up "1,200 steps ran at 11 steps/s with the per-tensor loop, 108
-    of the backbone step's 149 s": reports/bench/gpu-study-call's backbone record (results.tar.gz) and study.json
-    (it read 107 s, tqdm's 01:47, for the record's 108.0)."""
-    call = ROOT / "reports/bench/gpu-study-call"
+    of the backbone step's 149 s": reports/bench/gpu-study-call-2026-11-26's backbone record (results.tar.gz) and
+    study.json (it read 107 s, tqdm's 01:47, for the record's 108.0)."""
+    call = ROOT / "reports/bench/gpu-study-call-2026-11-26"
     with tarfile.open(call / "results.tar.gz") as tar:
         warmup = json.loads(tar.extractfile("reports/backbone.json").read())["warmup"]
     step = next(s for s in json.loads((call / "study.json").read_text())["steps"] if s["step"] == "backbone")
@@ -741,17 +748,18 @@ def test_the_gpu_lease_docs_warm_up_pace_is_the_committed_calls_backbone_record(
 
 
 def test_the_import_of_a_call_cut_before_any_run_finished_writes_the_readme_not_a_traceback(tmp_path, monkeypatch):
-    """The lent H100's call (reports/bench/gpu-study-call: every run cut mid-training, no evaluation) published no
-    models/<exp>/, so its results hold no run record; the import's README has a 'did NOT complete' branch for such a
-    study, but log_runs listed the runs folder the unpack never made: FileNotFoundError after reports/gpu-study was
-    half written. Such a study has no run to log (30 rounds.json, no experiment.json) and tables with nothing made."""
+    """The lent H100's call (reports/bench/gpu-study-call-2026-11-26: every run cut mid-training, no evaluation)
+    published no models/<exp>/, so its results hold no run record; the import's README has a 'did NOT complete'
+    branch for such a study, but log_runs listed the runs folder the unpack never made: FileNotFoundError after
+    reports/gpu-study was half written. Such a study has no run to log (30 rounds.json, no experiment.json) and
+    tables with nothing made."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))
     dest = tmp_path / "gpu-study"
-    done = importer.import_study(ROOT / "reports/bench/gpu-study-call", dest)
+    done = importer.import_study(ROOT / "reports/bench/gpu-study-call-2026-11-26", dest)
     assert done["mlflow_runs"] == [] and done["complete"] is False
     assert len(list((dest / "train").glob("*/rounds.json"))) == 30
-    assert "did NOT complete" in (dest / "README.md").read_text()
+    assert "did NOT complete (see the steps): 0 runs finished training" in (dest / "README.md").read_text()
     assert "no evaluated experiment" in done["not_made"]["main table"]
 
 
@@ -799,7 +807,7 @@ def _imported_call(tmp_path, monkeypatch) -> tuple[str, Path, str]:
     exp, dest = "fedavg-domain-s0", tmp_path / "gpu-study"
     names = {"params.yaml": "params.yaml", f"models/plans/{exp}.json": f"runs/{exp}/experiment.json"}
     names["data/partitions/domain/seed0.json"] = "partitions/domain/seed0.json"
-    with tarfile.open(ROOT / "reports/bench/gpu-study-call/results.tar.gz") as tar:
+    with tarfile.open(ROOT / "reports/bench/gpu-study-call-2026-11-26/results.tar.gz") as tar:
         for name, target in names.items():
             (dest / target).parent.mkdir(parents=True, exist_ok=True)
             (dest / target).write_bytes(tar.extractfile(name).read())

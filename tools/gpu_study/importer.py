@@ -7,15 +7,16 @@ last two possibly cut into ``.partN`` pieces). The import
 
 1. unpacks them and lays the study out as reports/cpu-study is laid out: ``params.yaml`` (the profile merged),
    ``backbone.json``, ``plans/``, ``train/<exp>/``, ``eval/<exp>/``, ``timing/``, ``data/`` and, in ``device/``,
-   study.json (steps and seconds), the stages' log, the nvidia-smi samples and the md5 of every weights file the run
-   wrote (the backbone and adapters stay on the machine: ~197 MB + ~28 MB a run do not fit what a call returns).
-   The gate logs stay out (they hold client token ids);
+   study.json (steps and seconds), log.tar.gz (the stages' log, the nvidia-smi samples) and the md5 of every weights
+   file the run wrote (the backbone and adapters stay on the machine: ~197 MB + ~28 MB a run do not fit what a call
+   returns). The gate logs stay out (they hold client token ids);
 2. logs each experiment's training into the MLflow store (pipeline.results.tracking: its plan as params, every round,
    the closing metrics and convergence tags, its records as artifacts) and then its evaluation into that run
    (pipeline.results.evaluation.log_to_mlflow, as the evaluate stage does); each run once, whichever call's files
    bring it (an earlier import of a cut call's: only the evaluation it lacked is added);
 3. writes the tables and ``comparisons.csv`` with the report stage's ``rebuild`` (pipeline.report.rebuild_study) and
-   a README whose facts (device, wall time per step) come from study.json.
+   a README whose facts (device, wall time per step, runs trained, converged and evaluated) come from the files,
+   then removes the generated summaries (``eval/<exp>/predictions.jsonl``; they stay in the returned archive).
 """
 
 from __future__ import annotations
@@ -79,9 +80,8 @@ def unpack(returned: Path, dest: Path) -> dict[str, Any]:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "device").mkdir(exist_ok=True)
     shutil.copy(returned / "study.json", dest / "device/study.json")
-    if "log.tar.gz" in found:
-        with tarfile.open(fileobj=io.BytesIO(found["log.tar.gz"])) as tar:
-            tar.extractall(dest / "device", filter="data")
+    if "log.tar.gz" in found:  # packed as it came (0.1 MiB; the stages' output and py-spy's samples unpack to ~2)
+        (dest / "device/log.tar.gz").write_bytes(found["log.tar.gz"])
     with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=io.BytesIO(found["results.tar.gz"])) as tar:
         tar.extractall(tmp, filter="data")
         for f in sorted(Path(tmp).rglob("*")):
@@ -161,6 +161,14 @@ def readme(dest: Path, study: dict[str, Any]) -> str:
 
     gpu = study["device"].get("gpu") or "no GPU (CPU)"
     calls = [*study.get("earlier_calls", []), study]  # a resumed call keeps the earlier ones' records
+    trained = sorted(f.parent.name for f in (dest / "runs").glob("*/metrics.json"))
+    converged = [e for e in trained if json.loads((dest / "runs" / e / "metrics.json").read_text()).get("converged")]
+    unevaluated = [e for e in trained if not (dest / "eval" / e / "metrics.json").is_file()]
+    runs = (
+        f"{len(trained)} runs finished training ({len(converged)} converged by the stop rule of `train.stop`) and "
+        f"{len(trained) - len(unevaluated)} were evaluated"
+        + (f" (not evaluated: {', '.join(unevaluated)})" if unevaluated else "")
+    )
     rows = "".join(
         f"| {s['step']} | {s['status']} | {s.get('seconds', '')} | {n} |\n"
         for n, call in enumerate(calls, start=1)
@@ -171,13 +179,34 @@ def readme(dest: Path, study: dict[str, Any]) -> str:
         f"Device: {gpu}; Python {study['device']['python']}. The script (`tools/gpu_study/device.py`) ran "
         f"{len(calls)} call(s) on one machine, {sum(c['seconds'] for c in calls):.0f} s of their "
         f"{sum(c['budget_s'] for c in calls):.0f} s budgets in all, and "
-        f"{'completed every step' if study['complete'] else 'did NOT complete (see the steps)'}. It ran the stages "
-        f"of dvc.yaml in their order without DVC; the backbone and adapters stayed on the machine (their md5 are "
+        f"{'completed every step' if study['complete'] else 'did NOT complete (see the steps)'}: {runs}. It ran the "
+        f"stages of dvc.yaml in their order without DVC; the backbone and adapters stayed on the machine (their md5 are "
         f"in `device/weights.md5.json`). Imported here by `python -m tools.gpu_study.importer`, which logged every "
         f"run into the MLflow store and wrote the tables with `python -m pipeline.report rebuild`.\n\n"
         f"| step | status | seconds | call |\n|---|---|---|---|\n{rows}\n"
         f"{claims.BEGIN}\n{claims.END}\n"
     )
+
+
+def learning_curves(dest: Path) -> list[str]:
+    """The report stage's learning-curve figures (each study's lowest seed per configuration, every round to its
+    stop) drawn from the study folder's ``train/`` into its ``figures/``, their data into ``plots/``."""
+    from pipeline.common.config import load_params
+    from pipeline.paths import ProjectPaths
+    from pipeline.report import report_inputs
+    from pipeline.results import figures
+    from pipeline.results.tables import Made
+
+    made = Made()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = ProjectPaths(Path(tmp))  # the stage's layout, its train reports the study's
+        paths.reports.mkdir()
+        (paths.reports / "train").symlink_to((dest / "train").resolve())
+        figures.learning_curves(report_inputs(load_params(dest / "params.yaml")), paths, made)
+        for kind, into in ((paths.figures, dest / "figures"), (paths.plots, dest / "plots")):
+            if kind.is_dir():
+                shutil.copytree(kind, into, dirs_exist_ok=True)
+    return [str(dest / "figures" / Path(f).name) for f in made.files["figures"]]
 
 
 def import_study(returned: Path, dest: Path) -> dict[str, Any]:
@@ -187,6 +216,12 @@ def import_study(returned: Path, dest: Path) -> dict[str, Any]:
     ids = log_runs(dest, study["device"].get("gpu") or "cpu")
     (dest / "README.md").write_text(readme(dest, study))
     made = rebuild_study(dest)
+    made["made"]["figures"] = learning_curves(dest)
+    # the generated summaries (~0.16 MiB a run) stay out, as reports/cpu-study's do (the working tree travels with
+    # each device call); they are in the call's results.tar.gz, which call_report keeps. The rebuild has put their
+    # identical fractions into comparisons.csv, where a later rebuild takes them from (pipeline.results.comparisons)
+    for f in (dest / "eval").glob("*/predictions.jsonl"):
+        f.unlink()
     return {"mlflow_runs": ids, "complete": study["complete"]} | made
 
 

@@ -218,6 +218,9 @@ def lease_calls(manifest: dict[str, Any], train_processes: int = 3) -> list[str]
         'if the study did not finish and status says warm (else a fresh machine has nothing to resume): carry [".gpu-study/resume"], limit B + 20 s, B = min(580, budget_left_s - 30): '
         f"{RESUMED_CALL} --budget B {processes}"
     )
+    # the first call picks the machine, the later ones keep it: three sets' evaluations side by side held 89,670 MiB
+    # on 2026-11-28 (engine.md section 5), over an H100's 80 GB
+    calls[0] = f"kind nvidia-h200, {calls[0]}"
     return calls
 
 
