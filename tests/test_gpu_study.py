@@ -276,6 +276,7 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     trained = {e: json.loads((models / e / "metrics.json").read_text()) for e in _yaml(TINY)["experiments"]}
     untouched = {e: (models / e / "metrics.json").stat().st_mtime_ns for e in trained if e != cut}
     shutil.rmtree(models / cut)
+    shutil.rmtree(work / "repo/reports/eval")  # no evaluation ran: none is left out as finished
     out = tmp_path / "out-resumed"
     rec = device.run_study(tmp_path / "no-carry", out, TINY, work, budget_s=900, resume=True, train_processes=2)
     # the set holding the unfinished run trains again; the other set's runs all finished: not restarted
@@ -292,7 +293,11 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     assert re.search(r"\| train@1 \| ok \| [\d.]+ \| 2 \|", section) and "2 sets in processes side by side" in section
     assert "GPU over the training step (with a finished set's evaluation beside the sets still training)" in section
 
-    # here: the import, into a scratch study folder and MLflow store
+    _import_checks(out, tmp_path, monkeypatch)
+
+
+def _import_checks(out: Path, tmp_path: Path, monkeypatch) -> None:
+    """The tiny study's import, here, of the resumed call's files, into a scratch study folder and MLflow store."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))  # MLflow artifacts under tmp_path/mlartifacts
     dest = tmp_path / "gpu-study"
@@ -348,6 +353,36 @@ def test_a_py_spy_that_cannot_start_leaves_the_train_step_running_unsampled(tmp_
         ok = steps.lane([("train@1", train), ("evaluate@1", ["-c", "pass"])], tmp_path / "repo", dict(os.environ))
     assert [s["status"] for s in steps.record["steps"]] == ["ok", "ok"] and ok
     assert done.read_text() == "ok"  # the child ran to its end before the step was recorded
+
+
+def test_a_resumed_call_trains_and_evaluates_only_the_runs_an_earlier_call_left(tmp_path):
+    """The lease of 2026-11-28: the resumed call's evaluate@3 was cut after its first runs' records were written;
+    the evaluation a later call resumes leaves those out, as train leaves out the runs whose records are written
+    (each record is written last). A step with nothing left is dropped; other steps pass unchanged."""
+    flags = [a for e in ("a-s0", "a-s1", "b-s0") for a in ("--experiment", e)]
+    for record in (
+        "models/a-s0/metrics.json",
+        "reports/eval/a-s1/metrics.json",
+        "reports/eval/b-s0/per_example.parquet",
+    ):
+        (tmp_path / record).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / record).write_text("{}")
+    train = ("train@2", ["-m", "pipeline.train", *flags, "--no-mlflow"])
+    evaluate = ("evaluate@2", ["-m", "tools.gpu_study.device", "evaluate", *flags])
+    assert device.left_to_do(train, tmp_path) == (
+        "train@2",
+        ["-m", "pipeline.train", "--experiment", "a-s1", "--experiment", "b-s0", "--no-mlflow"],
+    )
+    assert device.left_to_do(evaluate, tmp_path) == (  # b-s0's evaluation was cut before its metrics.json
+        "evaluate@2",
+        ["-m", "tools.gpu_study.device", "evaluate", "--experiment", "a-s0", "--experiment", "b-s0"],
+    )
+    for e in ("a-s0", "b-s0"):
+        (tmp_path / "reports/eval" / e / "metrics.json").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "reports/eval" / e / "metrics.json").write_text("{}")
+    assert device.left_to_do(evaluate, tmp_path) is None
+    plan = ("plan", ["-m", "pipeline.plan"])
+    assert device.left_to_do(plan, tmp_path) == plan
 
 
 def test_a_resumed_call_on_a_bare_machine_says_so_in_one_line(tmp_path):

@@ -201,15 +201,20 @@ def stage_lanes(
     return before, [[steps[cut]], data], steps[cut + 1 :]
 
 
+FINISHED = {"train": "models/{}/metrics.json", "evaluate": "reports/eval/{}/metrics.json"}  # each written last
+
+
 def left_to_do(step: tuple[str, list[str]], repo_dir: Path) -> tuple[str, list[str]] | None:
-    """``step`` as a resumed call runs it: ``train`` without the experiments an earlier call finished (their
-    outputs published in ``models/<exp>/``; None when that is all of them); the runs it cut resume from their
-    checkpoints."""
+    """``step`` as a resumed call runs it: ``train`` or ``evaluate`` without the experiments an earlier call finished
+    (their :data:`FINISHED` record written; None when that is all of them); the runs it cut resume from their
+    checkpoints, and the evaluations it cut start again, stacked with fewer runs (a run's scores do not depend on the
+    runs beside it: tests/test_evaluate.py)."""
     name, argv = step
-    if not name.startswith("train"):
+    finished_record = FINISHED.get(name.split("@")[0])
+    if finished_record is None:
         return step
     pairs = {i: argv[i + 1] for i, a in enumerate(argv) if a == "--experiment"}
-    finished = {i for i, e in pairs.items() if (repo_dir / "models" / e / "metrics.json").is_file()}
+    finished = {i for i, e in pairs.items() if (repo_dir / finished_record.format(e)).is_file()}
     if len(finished) == len(pairs):
         return None
     return name, [a for i, a in enumerate(argv) if i not in finished and i - 1 not in finished]
