@@ -118,11 +118,18 @@ def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
 
 
 def verdict(rows: list, subject: str, gain: str = "helps") -> str:
-    """'<subject> helps', 'hurts' or 'helps and hurts' by the signs of the differences that hold (Holm), else 'does
-    not measurably help'; 'not tested' when every one has fewer seeds than a claim needs (numbers only)."""
+    """'<subject> helps', 'hurts' or 'helps and hurts' by the signs of the differences that hold (Holm); else the
+    same words 'before Holm's adjustment only' by the signs of the tested ones whose unadjusted interval excludes 0
+    (the intervals printed beside it), else 'does not measurably help'; 'not tested' when every one has fewer seeds
+    than a claim needs (numbers only)."""
     up, down = (any(r.significant and sign * r.mean_diff > 0 for r in rows) for sign in (1, -1))
-    absent = "not tested" if all(r.few_seeds for r in rows) else "does not measurably help"
-    return f"{subject} {' and '.join([gain] * up + ['hurts'] * down) or absent}"
+    if up or down:
+        return f"{subject} {' and '.join([gain] * up + ['hurts'] * down)}"
+    tested = [r for r in rows if not r.few_seeds]
+    up, down = any(r.ci_low > 0 for r in tested), any(r.ci_high < 0 for r in tested)
+    unadjusted = " and ".join([gain] * up + ["hurts"] * down)
+    absent = "not tested" if not tested else "does not measurably help"
+    return f"{subject} {unadjusted} before Holm's adjustment only" if unadjusted else f"{subject} {absent}"
 
 
 def backbone_note(backbone: dict | None, kd: dict | None) -> str:
