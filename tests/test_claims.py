@@ -733,6 +733,9 @@ def test_the_claims_say_how_many_runs_are_not_converged():
     text = claims.results_text(table, convergence)
     assert "3 of 5 client-runs had their best validation round in their last round (8)" in text
     assert "2 of 3 runs are not converged" in text
+    # what not converged means under each regime (a stop-rule run whose last round was its best by a hair is
+    # converged: the GPU study's text had said "a client still improving at the last round" beside such runs)
+    assert "(with the stop rule of `train.stop`: it never held before the round ceiling; with a fixed round " in text
 
 
 def test_the_bound_on_every_holm_p_of_a_supported_line_is_never_below_the_largest():

@@ -344,9 +344,9 @@ def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFram
         runs = run_verdicts(convergence[convergence["study"].isin(studies)])
         lines.append(
             f"- **Round budget** (the evaluated runs, which the comparisons are over): {text.removeprefix('↗ ')} "
-            f"{int((~runs).sum())} of {len(runs)} runs are not converged "
-            "(a client still improving at the last round, or the stop rule never held before the round "
-            "ceiling). The whole comparison is conditional on it."
+            f"{int((~runs).sum())} of {len(runs)} runs are not converged (with the stop rule of `train.stop`: "
+            "it never held before the round ceiling; with a fixed round budget: a client's best validation round "
+            "was its last). The whole comparison is conditional on it."
         )
     return "\n".join(lines) + "\n"
 
