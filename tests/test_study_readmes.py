@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,14 @@ def test_the_statistics_docs_settings_are_params_and_the_committed_studies():
     assert f"in each of the last {stop['patience']} rounds" in text and stop["enabled"]
     assert f"by less than {100 * stop['min_rel_improvement']:g} %, or at {stop['max_rounds']} rounds" in text
     assert f"CPU study's {len(runs)} committed curves ({rounds} fixed rounds each" in text
+    # the GPU study's stop rounds under that rule, from its run records
+    gpu = [json.loads(p.read_text()) for p in sorted((ROOT / "reports/gpu-study/runs").glob("*/metrics.json"))]
+    stopped = sorted(r["stopped_round"] for r in gpu if r["converged"])
+    assert yaml.safe_load((ROOT / "reports/gpu-study/params.yaml").read_text())["train"]["stop"] == stop
+    assert (
+        f"it ended all {len(gpu)} of its runs before the ceiling, at round {statistics.median(stopped):g} "
+        f"({stopped[0]}-{stopped[-1]})" in text
+    ) and len(stopped) == len(gpu)
 
 
 def test_the_cpu_study_readmes_design_and_missing_run_are_its_files():
