@@ -356,13 +356,13 @@ def delete_run(run_id: str, unless_logged: str | None = None) -> None:
             logger._client.delete_run(run)
 
 
-def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
-    """End run ``run_id`` and its clients' runs with ``status`` and tag ``fedmeet.end`` = ``reason`` if it is
-    RUNNING; whether it was."""
+def end_if_running(run_id: str, reason: str) -> bool:
+    """Mark KILLED run ``run_id`` and its clients' runs, tagged ``fedmeet.end`` = ``reason``, if it is RUNNING;
+    whether it was."""
     if (logger := RunLogger(run_id))._client.get_run(run_id).info.status != "RUNNING":
         return False
     logger.set_tags({"fedmeet.end": reason})
-    logger.finish(status)
+    logger.finish("KILLED")
     return True
 
 
