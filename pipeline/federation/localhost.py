@@ -242,11 +242,13 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         """Echo the run's output (its log) until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
         deadline = time.monotonic() + self.cfg.run_timeout_s
         echo = codecs.getincrementaldecoder("utf-8")("replace")  # a character may be cut between two reads
+        shown: list[str] = []  # the run's output: its log since it started, as echoed
         with open(run.log, "rb") as log:
             log.seek(run.offset)
             while True:  # its end counts only while the SuperLink lives: a run ended by its death is not finished
                 ended = not run.alive()
-                print(echo.decode(log.read(), final=ended), end="", flush=True)  # once ended: all it wrote
+                shown.append(echo.decode(log.read(), final=ended))  # once ended: all it wrote
+                print(shown[-1], end="", flush=True)
                 if self.superlink is not None and not self.superlink.alive():
                     raise FederationError(
                         f"the SuperLink stopped during the run (status "
@@ -260,8 +262,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
                         f"(--run-timeout); {self._resume_hint()}"
                     )
                 time.sleep(0.2)
-        output = run.log.read_bytes()[run.offset :].decode(errors="replace")
-        return LocalhostRun(run.popen.returncode, self.home, output)
+        return LocalhostRun(run.popen.returncode, self.home, "".join(shown))
 
     def failed(self, what: str) -> FederationError:
         """The error of a run that ended with ``what``: where its logs are and where a rerun starts."""

@@ -317,7 +317,7 @@ class RunLogger:
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         self._client.log_artifact(self.run_id, str(local_path), artifact_path)
 
-    def log_adapter_models(self, model_dir: Path, global_adapter: Path | None = None) -> dict[str, str]:
+    def log_adapter_models(self, model_dir: Path, global_adapter: Path | None = None) -> None:
         """Each client's best adapter as a LoggedModel ``<experiment>-<client>`` of its client's run
         (``global_adapter``, a deployed server's aggregate, of this run), files ``adapters/<client>/`` and the plan."""
         plan = json.loads((model_dir / "experiment.json").read_text())
@@ -340,7 +340,6 @@ class RunLogger:
             if train := self.datasets.get(client, {}).get("train"):  # the model's link to the data it learnt from
                 self.log_metrics({f"{client}.train_examples": self.train_sizes[client]}, 0, model.model_id, train)
             self.models[client] = model.model_id
-        return self.models
 
     def finish(self, status: str = "FINISHED") -> None:
         if self._monitor is not None:
@@ -357,13 +356,13 @@ def delete_run(run_id: str, unless_logged: str | None = None) -> None:
             logger._client.delete_run(run)
 
 
-def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
-    """End run ``run_id`` and its clients' runs with ``status`` and tag ``fedmeet.end`` = ``reason`` if it is
-    RUNNING; whether it was."""
+def end_if_running(run_id: str, reason: str) -> bool:
+    """Mark KILLED run ``run_id`` and its clients' runs, tagged ``fedmeet.end`` = ``reason``, if it is RUNNING;
+    whether it was."""
     if (logger := RunLogger(run_id))._client.get_run(run_id).info.status != "RUNNING":
         return False
     logger.set_tags({"fedmeet.end": reason})
-    logger.finish(status)
+    logger.finish("KILLED")
     return True
 
 
