@@ -183,6 +183,13 @@ def readme(dest: Path, study: dict[str, Any]) -> str:
         f"stages of dvc.yaml in their order without DVC; the backbone and adapters stayed on the machine (their md5 are "
         f"in `device/weights.md5.json`). Imported here by `python -m tools.gpu_study.importer`, which logged every "
         f"run into the MLflow store and wrote the tables with `python -m pipeline.report rebuild`.\n\n"
+        "What travelled there: the checkout's working tree and the carry `python -m tools.gpu_study.prepare` built "
+        "(the wheels the image lacks, the float32 MiniLM weights packed losslessly, the raw datasets); what came "
+        "back: study.json, the stages' log with the GPU samples, and the run records, plans and reports (no weights). "
+        "What differs from a CPU run of the same stages: the device's kernels (a run's numbers need not be bit-identical "
+        "to a CPU run's), the runs of a set trained together in one process (a run computes the same in any set: "
+        "tests/test_run_set.py), and each set's runs evaluated together, their adapters stacked in the same generate "
+        "calls at the profile's `evaluate.batch_size` (the same scores as alone: tests/test_evaluate.py).\n\n"
         f"| step | status | seconds | call |\n|---|---|---|---|\n{rows}\n"
         f"{claims.BEGIN}\n{claims.END}\n"
     )
