@@ -101,3 +101,20 @@ def test_a_call_cut_after_each_runs_first_round_is_reported_not_a_crash():
     rounds = {f"fedavg-domain-s{i}": [{"round": 1, "val_loss_mean": loss}] for i, loss in enumerate((3.0, 5.0))}
     text = call_report.markdown(study, "", [], rounds, params)
     assert "| fedavg-domain | 2 | 1 | 4.000 | 4.000 | - | 0 of 2 | - | - |" in text
+
+
+def test_the_floor_weights_each_arms_flops_by_the_run_rounds_it_trained():
+    """Section 5's ratio to the FLOP floor: the floor of a run-round is the mean over the run-rounds trained (a KD
+    arm's round adds the teacher's forward), over the dense peak; none without the partition's sizes."""
+    from tools.gpu_study.device import PROFILE, REPO, merged_params
+    from tools.gpu_study.estimate import H100_PEAK, floor_flops_per_round
+
+    params = merged_params(REPO, PROFILE)
+    partition = {"clients": {"A": {"sizes": {"train": 10, "valid": 4}}, "B": {"sizes": {"train": 6, "valid": 2}}}}
+    rounds = {"single-domain-s0": [{}, {}], "fedkd-domain-s0": [{}, {}, {}]}
+    plain, kd = (floor_flops_per_round(16, 6, two, params) for two in (False, True))
+    assert kd > plain > 0
+    floor = call_report.floor_per_run_round(rounds, params, partition)
+    assert floor["fp32"] == pytest.approx((2 * plain + 3 * kd) / 5 / H100_PEAK["fp32"])
+    assert floor["bf16"] == pytest.approx((2 * plain + 3 * kd) / 5 / H100_PEAK["bf16"])
+    assert call_report.floor_per_run_round(rounds, params, None) == {}

@@ -30,6 +30,7 @@ import yaml
 
 from benchmarks.gpu_profile import pyspy_top, read_smi, replace_section
 from tools.gpu_study.device import RESERVE_S
+from tools.gpu_study.estimate import H100_PEAK, floor_flops_per_round
 from tools.gpu_study.importer import REPO, archives
 
 HOLDOUT = 3  # rounds each run's power law does not see, to show its error
@@ -108,8 +109,26 @@ def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict
     return rows
 
 
+def floor_per_run_round(rounds: dict[str, list], params: dict[str, Any], partition: dict | None) -> dict[str, float]:
+    """benchmarks/flops.py's floor (tools.gpu_study.estimate) of the run-rounds trained, per run-round, in seconds at
+    the dense float32 and bfloat16 peaks; {} without the partition's sizes."""
+    if not partition or not rounds:
+        return {}
+    sizes = [c["sizes"] for c in partition["clients"].values()]
+    n_train, n_valid = sum(s["train"] for s in sizes), sum(s["valid"] for s in sizes)
+    flops = {arm: floor_flops_per_round(n_train, n_valid, "kd" in arm, params) for arm in map(arm_of, rounds)}
+    mean = sum(len(r) * flops[arm_of(e)] for e, r in rounds.items()) / sum(len(r) for r in rounds.values())
+    return {dtype: mean / peak for dtype, peak in H100_PEAK.items()}
+
+
 def markdown(
-    study: dict[str, Any], log: str, smi: list, rounds: dict[str, list], params: dict[str, Any], spy: dict | None = None
+    study: dict[str, Any],
+    log: str,
+    smi: list,
+    rounds: dict[str, list],
+    params: dict[str, Any],
+    spy: dict | None = None,
+    floor: dict[str, float] | None = None,
 ) -> str:
     from pipeline.common.config import from_dict
     from pipeline.experiments.train_config import StopConfig
@@ -171,7 +190,18 @@ def markdown(
         f"{min(first, default=0)}-{max(first, default=0)} s (the prefix cache filled); after it a round of the set "
         f"(every run one round) took {set_round:.1f} s (median of {len(durations)} rounds of the runs' bars; "
         f"{min(durations, default=0)}-{max(durations, default=0)} s), **{per_run_round:.2f} s per run-round** (the "
-        "runs of a set meet at one barrier each round; sets in processes side by side add up). GPU over the training "
+        "runs of a set meet at one barrier each round; sets in processes side by side add up)."
+        + (
+            f" benchmarks/flops.py's floor for these run-rounds at the study's maximum lengths (their matmul FLOPs "
+            f"over the dense peak of an H100 or H200 SXM: {H100_PEAK['fp32'] / 1e12:.0f} TFLOP/s float32, "
+            f"{H100_PEAK['bf16'] / 1e12:.0f} bfloat16) is {floor['fp32']:.3f} s a run-round in float32 and "
+            f"{floor['bf16']:.4f} s in bfloat16: the pace is {per_run_round / floor['fp32']:.1f}x the one and "
+            f"{per_run_round / floor['bf16']:.0f}x the other (the student runs under bf16 autocast, the teacher in "
+            "float32)."
+            if floor
+            else ""
+        )
+        + " GPU over the training "
         f"step{_overlap(calls)}: utilisation "
         f"{_number(sum(util) / len(util) if util else None, '.1f')} % on average, {_share(util, lambda u: u <= 5)} % of the 2-s samples at or under 5 % and "
         f"{_share(util, lambda u: u >= 50)} % at or over 50 %; memory at most "
@@ -247,7 +277,11 @@ def section(folder: Path) -> str:
         for name, blob in results.items()
         if re.fullmatch(r"reports/train/[^/]+/rounds\.json", name)
     }
-    return markdown(study, log, smi, rounds, yaml.safe_load(results["params.yaml"]), spy)
+    params = yaml.safe_load(results["params.yaml"])
+    partitions = {p["partition"] for p in params["experiments"].values()}  # the study's: one
+    blob = results.get(f"reports/partitions/{next(iter(partitions)).replace('/', '-')}.json")
+    floor = floor_per_run_round(rounds, params, json.loads(blob) if blob and len(partitions) == 1 else None)
+    return markdown(study, log, smi, rounds, params, spy, floor)
 
 
 def report(returned: Path, keep: Path, md: Path) -> None:

@@ -24,7 +24,7 @@ from tools.gpu_study.device import PROFILE, REPO, merged_params
 
 TIMINGS = REPO / "reports/cpu-study/timing/device-study.json"
 CPU_STUDY_ROUNDS = 8  # configs/cpu-study.yaml train.rounds
-H100_PEAK = {"fp32": 67e12, "bf16": 989e12}  # NVIDIA H100 SXM datasheet, dense FLOP/s (no sparsity)
+H100_PEAK = {"fp32": 67e12, "bf16": 989e12}  # NVIDIA H100 SXM datasheet, dense FLOP/s (no sparsity); H200 SXM's too
 
 
 def measured(timings: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -39,16 +39,17 @@ def measured(timings: dict[str, float]) -> dict[str, dict[str, float]]:
     return {arm: {k: sum(v) / len(v) for k, v in d.items()} for arm, d in arms.items()}
 
 
-def floor_flops_per_round(n_train: int, n_valid: int, two_paths: bool) -> float:
-    """One run's round at the study's shapes: every training example forward + backward, every validation example
-    forward, on the prefix-cached path (a KD arm runs the teacher's top path forward as well)."""
+def floor_flops_per_round(n_train: int, n_valid: int, two_paths: bool, params: dict | None = None) -> float:
+    """One run's round at the study's shapes (``params``' model; default the profile merged): every training example
+    forward + backward, every validation example forward, on the prefix-cached path (a KD arm runs the teacher's top
+    path forward as well)."""
 
     from benchmarks.common import default_shape
     from benchmarks.flops import step_flops, top_path
     from pipeline.common.config import from_dict
     from pipeline.experiments.model import ModelConfig
 
-    params = merged_params(REPO, PROFILE)
+    params = params or merged_params(REPO, PROFILE)
     shape_keys = {f.name for f in dataclasses.fields(ModelConfig)}  # the model's shape, not the cache settings
     model = {k: v for k, v in params["model"].items() if k in shape_keys}
     shape = default_shape(from_dict(ModelConfig, model, "model"), batch_size=1)
