@@ -28,7 +28,7 @@ from pipeline.results.scoring import rouge_summary
 
 
 def load_config(params: dict[str, Any], file: str = "params.yaml") -> tuple[BackboneConfig, str]:
-    cfg = from_dict(BackboneConfig, params.get("backbone"), "backbone")
+    cfg = from_dict(BackboneConfig, params.get("backbone"), f"{file} backbone")
     ingested = group(params, "ingest", file).get("datasets") or []
     if cfg.warmup.dataset not in ingested:  # its records: data/interim/<dataset>.parquet, written by stage ingest
         raise ConfigError(
