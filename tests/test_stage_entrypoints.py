@@ -77,10 +77,18 @@ def test_a_stage_process_freezes_its_imports_and_at_exit_what_it_made_and_keeps_
 @pytest.mark.parametrize(
     ("stage", "params", "named"),
     [
-        ("backbone", {"backbone": {"warmup": {"steps": "many"}}}, "backbone.warmup.steps"),
-        ("examples", {"examples": {"link_min_jaccard": "high"}}, "examples.link_min_jaccard"),
-        ("postag", {"postag": {"batch_size": "big"}}, "postag.batch_size"),
-        ("postag", {"model": {"max_target_length": "long"}}, "model.max_target_length"),
+        ("backbone", {"backbone": {"warmup": {"steps": "many"}}}, "backbone.warmup.steps: expected "),
+        ("examples", {"examples": {"link_min_jaccard": "high"}}, "examples.link_min_jaccard: expected "),
+        ("postag", {"postag": {"batch_size": "big"}}, "postag.batch_size: expected "),
+        ("postag", {"model": {"max_target_length": "long"}}, "model.max_target_length: expected "),
+        # the backbone stage's own checks of its group and of the examples group it reads
+        ("backbone", {"ingest": {"datasets": ["qmsum"]}}, "backbone.warmup.dataset='samsum' is not ingested"),
+        (
+            "backbone",
+            {"backbone": {"warmup": {"dataset": "ami"}}, "ingest": {"datasets": ["ami", "qmsum"]}},
+            "backbone.warmup.dataset='ami' trains on meetings that ['qmsum'] test on",
+        ),
+        ("backbone", {"ingest": {"datasets": ["samsum"]}, "examples": {"sep_token": None}}, "examples.sep_token: "),
     ],
 )
 def test_a_bad_value_of_a_stage_group_is_one_line_naming_the_params_file(tmp_path, capsys, stage, params, named):
@@ -96,4 +104,4 @@ def test_a_bad_value_of_a_stage_group_is_one_line_naming_the_params_file(tmp_pat
     path.write_text(yaml.safe_dump(params))
     assert run_cli(importlib.import_module(f"pipeline.{stage}").main, ["--params", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: {path} {named}: expected "), err
+    assert len(err) == 1 and err[0].startswith(f"error: {path} {named}"), err
