@@ -28,11 +28,11 @@ from pipeline.results.scoring import rouge_summary
 
 
 def load_config(params: dict[str, Any], file: str = "params.yaml") -> tuple[BackboneConfig, str]:
-    cfg = from_dict(BackboneConfig, params.get("backbone"), "backbone")
+    cfg = from_dict(BackboneConfig, params.get("backbone"), f"{file} backbone")
     ingested = group(params, "ingest", file).get("datasets") or []
     if cfg.warmup.dataset not in ingested:  # its records: data/interim/<dataset>.parquet, written by stage ingest
         raise ConfigError(
-            f"backbone.warmup.dataset={cfg.warmup.dataset!r} is not ingested; allowed: one of ingest.datasets {ingested}"
+            f"{file} backbone.warmup.dataset={cfg.warmup.dataset!r} is not ingested; allowed: one of ingest.datasets {ingested}"
         )
     # the recipe's warm-up trains on its dataset's train split; QMSum holds AMI's and ICSI's meetings (AMI and ICSI
     # share none) under other splits, so one tests on meetings the other trains on (METHOD.md section 2)
@@ -40,11 +40,13 @@ def load_config(params: dict[str, Any], file: str = "params.yaml") -> tuple[Back
     shared = corpora if cfg.warmup.dataset == "qmsum" else {"qmsum"} if cfg.warmup.dataset in corpora else set()
     if cfg.name == OFFLINE_RECIPE and cfg.warmup.steps and (others := sorted(shared & set(ingested))):
         raise ConfigError(
-            f"backbone.warmup.dataset={cfg.warmup.dataset!r} trains on meetings that {others} test on (QMSum's "
+            f"{file} backbone.warmup.dataset={cfg.warmup.dataset!r} trains on meetings that {others} test on (QMSum's "
             "Product meetings are AMI's, its Academic ones ICSI's): warm up on a corpus that shares none (samsum)"
         )
     if not isinstance(sep_token := group(params, "examples", file).get("sep_token", "#SEP#"), str):
-        raise ConfigError(f"examples.sep_token: expected a string, got {sep_token!r} (quote it in YAML: '#SEP#')")
+        raise ConfigError(
+            f"{file} examples.sep_token: expected a string, got {sep_token!r} (quote it in YAML: '#SEP#')"
+        )
     return cfg, sep_token
 
 

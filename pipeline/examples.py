@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with stage_timer("examples"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
-        cfg = from_dict(ExamplesConfig, params.get("examples"), "examples")
+        cfg = from_dict(ExamplesConfig, params.get("examples"), f"{args.params} examples")
         # The names only (the ingest stage checked them against the readers): reading them through
         # pipeline.datasets.sources would put every reader module into this stage's deps, and the backbone's.
         datasets = group(params, "ingest", args.params).get("datasets")

@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with stage_timer("postag"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
-        cfg = from_dict(PostagConfig, params.get("postag"), "postag")
+        cfg = from_dict(PostagConfig, params.get("postag"), f"{args.params} postag")
         # the group's model keys (its cache keys are planning's to check)
         model = {k: v for k, v in group(params, "model", str(args.params)).items() if k in MODEL_RESULT_KEYS}
-        max_target_length = from_dict(ModelConfig, model, "model").max_target_length
+        max_target_length = from_dict(ModelConfig, model, f"{args.params} model").max_target_length
         write_target_tags(cfg, args.examples, args.backbone, args.out, args.report, max_target_length)
 
 

@@ -583,3 +583,26 @@ def test_hard_kd_minus_selectkd_is_taken_over_the_seeds_both_trained(tmp_path):
     out = Analysis.hardkd(analysis)
     assert out["hardkd_minus_selectkd_avg_rouge"] == {"Product": pytest.approx(18.0 - 20.0)}
     assert out["methods"][SELECTKD]["Product"]["mean"]["avg_rouge"] == 22.0  # the table keeps every seed
+
+
+@pytest.mark.parametrize(("tau_main", "clients"), [(3.0, ["A", "B"]), (None, ["A", "B"]), (3.0, [])])
+def test_the_tau_sweep_figure_says_dotted_only_where_a_dotted_line_is_drawn(monkeypatch, tmp_path, tau_main, clients):
+    """The title said "(dotted: main study)" when no main SelectKD run has an absolute tau (a portable gate's main
+    study: no line is drawn) and when no client has sweep results (no panel)."""
+    import matplotlib.pyplot as plt
+
+    from pipeline.results import kd_analysis
+
+    drawn = {}
+
+    def keep(fig, path):
+        dotted = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+        drawn.update(title=fig._suptitle.get_text(), dotted=len(dotted))
+        plt.close(fig)
+
+    monkeypatch.setattr(kd_analysis, "save", keep)
+    rows = [(c, tau, 20.0 + tau, 0.1 * tau) for c in clients for tau in (1.0, 3.0)]
+    sweep = pd.DataFrame(rows, columns=["client", "tau", "avg_rouge", "kd_usage_ratio"])
+    kd_analysis.plot_tau_sweep(sweep, tau_main, tmp_path / "tau_sweep.png")
+    assert drawn["dotted"] == (len(clients) if tau_main is not None else 0)
+    assert ("dotted" in drawn["title"]) == (drawn["dotted"] > 0), drawn

@@ -143,3 +143,20 @@ def test_only_entry_points_read_run_settings_from_a_file():
     )
     assert not any(_calls(p, "load_params") for p in (ROOT / "pipeline" / "training").rglob("*.py"))
     assert not any(_calls(p, "load_params") for p in (ROOT / "pipeline" / "modeling").rglob("*.py"))
+
+
+@pytest.mark.parametrize(
+    "experiments, problem",
+    [
+        (["x"], "experiments: expected a mapping of keys, got list ['x']"),
+        ({"x": 5}, "experiments x: expected a mapping of keys, got int 5"),
+    ],
+)
+def test_an_experiments_group_or_entry_that_is_no_mapping_is_one_line_naming_the_file(tmp_path, experiments, problem):
+    """The train stage's and the federation commands' --params (a site's file, which the planning stage never read):
+    a list of experiments, or an entry that is a number, ended in an AttributeError traceback."""
+    params = tmp_path / "site.yaml"
+    params.write_text(yaml.safe_dump({"train": {"round_timeout_s": 60}, "experiments": experiments}))
+    with pytest.raises(ConfigError) as err:
+        load_run_settings(params, "x")
+    assert str(err.value) == f"{params} {problem}"

@@ -72,3 +72,36 @@ def test_a_stage_process_freezes_its_imports_and_at_exit_what_it_made_and_keeps_
     assert in_process == 0 and enabled == enabled_after == 1
     assert frozen > 10_000  # the interpreter's and the imports' objects
     assert at_exit - frozen > 0.99 * made  # the work's lists (containers the collector tracks); a few others ended
+
+
+@pytest.mark.parametrize(
+    ("stage", "params", "named"),
+    [
+        ("backbone", {"backbone": {"warmup": {"steps": "many"}}}, "backbone.warmup.steps: expected "),
+        ("examples", {"examples": {"link_min_jaccard": "high"}}, "examples.link_min_jaccard: expected "),
+        ("postag", {"postag": {"batch_size": "big"}}, "postag.batch_size: expected "),
+        ("postag", {"model": {"max_target_length": "long"}}, "model.max_target_length: expected "),
+        # the backbone stage's own checks of its group and of the examples group it reads
+        ("backbone", {"ingest": {"datasets": ["qmsum"]}}, "backbone.warmup.dataset='samsum' is not ingested"),
+        (
+            "backbone",
+            {"backbone": {"warmup": {"dataset": "ami"}}, "ingest": {"datasets": ["ami", "qmsum"]}},
+            "backbone.warmup.dataset='ami' trains on meetings that ['qmsum'] test on",
+        ),
+        ("backbone", {"ingest": {"datasets": ["samsum"]}, "examples": {"sep_token": None}}, "examples.sep_token: "),
+    ],
+)
+def test_a_bad_value_of_a_stage_group_is_one_line_naming_the_params_file(tmp_path, capsys, stage, params, named):
+    """The stage reads `--params` (a study's or a site's file, not always ./params.yaml): its line named the key
+    only (`backbone.warmup.steps: ...`), so which file held the bad value was left to guess; evaluate names it."""
+    import importlib
+
+    import yaml
+
+    from pipeline.common.cli import run as run_cli
+
+    (path := tmp_path / "study" / "site.yaml").parent.mkdir()
+    path.write_text(yaml.safe_dump(params))
+    assert run_cli(importlib.import_module(f"pipeline.{stage}").main, ["--params", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path} {named}"), err

@@ -46,7 +46,7 @@ def load_run_settings(params_path: str | Path, experiment: str | None = None) ->
     ``experiment``'s own overrides of them (e.g. ``round_timeout_s``; a bad one is named as the entry's: ``<file>
     experiments.<name>.round_timeout_s``)."""
     params, file = load_params(params_path), str(params_path)
-    own = (params.get("experiments") or {}).get(experiment) or {} if experiment is not None else {}
+    own = group(group(params, "experiments", file), experiment, f"{file} experiments") if experiment is not None else {}
     check_run_keys(own, f"{file} experiments.{experiment}")
     model = group(params, "model", file)
     cache = from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, f"{file} model")

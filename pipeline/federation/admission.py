@@ -5,13 +5,13 @@ client's place (the ServerApp's round loop, server_app.py, calls these before an
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
+from pipeline.federation import protocol
 from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, PLAN_HASH, START_OVER, error_line, load_plan, metrics_row
 
 log = logging.getLogger("fedmeet.federated")
@@ -111,7 +111,7 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None) -> 
         identity = None if reply.has_error() else reply.content.config_records.get("identity")
         try:  # a reply that cannot be read is a node failing to identify: a deployed client must not end the run
             name = str(identity["client-name"])  # no identity record (None): TypeError
-            spec = {k: (k, int, 0, math.inf) for k in ("num-train", "num-valid") if k in identity}
+            spec = {k: (k, *protocol.COUNT) for k in ("num-train", "num-valid") if k in identity}
             counts = metrics_row(identity, spec, "identity's counts")
         except (KeyError, TypeError, ValueError) as e:
             why = f"its reply has no identity ConfigRecord of a client-name (whole num-train, num-valid): {e!r}"

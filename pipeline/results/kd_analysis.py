@@ -315,6 +315,7 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
         if tau_main is not None:
             ax.axvline(tau_main, color="grey", ls=":", lw=1)
         ax.set(xlabel="tau (nats)", title=client)
+    dotted = " (dotted: main study)" if tau_main is not None and clients else ""  # what is drawn, only
     _finish_client_panels(
-        fig, axes, clients, "no tau-sweep experiments with results", "Entropy threshold tau (dotted: main study)", path
+        fig, axes, clients, "no tau-sweep experiments with results", f"Entropy threshold tau{dotted}", path
     )

@@ -57,9 +57,10 @@ def _checked(
         if c.shape != (a.shape[1],):
             raise ValueError(f"bootstrap: {c.shape[0] if c.ndim else 0} cluster ids for {a.shape[1]} examples")
         out.append(np.unique(c, return_inverse=True)[1].ravel())
+    if not spans_clients(clusters):
+        return n_seeds.pop(), out, None
     codes = np.unique(np.concatenate([np.asarray(c) for c in clusters]), return_inverse=True)[1].ravel()
-    joint = np.split(codes, np.cumsum([g.size for g in out])[:-1])
-    return n_seeds.pop(), out, joint if spans_clients(clusters) else None
+    return n_seeds.pop(), out, np.split(codes, np.cumsum([g.size for g in out])[:-1])
 
 
 def spans_clients(clusters: list) -> bool:

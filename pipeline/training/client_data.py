@@ -35,16 +35,17 @@ def read_partition(path: str | Path, client: str | None = None) -> dict[str, Any
     p = Path(path)
     raw = read_json(p, "partition file (stage `partition`)")
     clients = raw.get("clients")
-    entries = clients.values() if isinstance(clients, dict) else [None]  # test ids are read where present
-    if not all(isinstance(s, dict) and {"train", "valid"} <= s.keys() for s in entries):
+    if not isinstance(clients, dict) or not all(  # test ids are read where present
+        isinstance(s, dict) and {"train", "valid"} <= s.keys() for s in clients.values()
+    ):
         raise DataError(f"{p}: no 'clients' mapping of each client to its train, valid and test ids")
     for name, splits in clients.items():  # train, valid and test lists: the partition stage writes them
         if bad := [k for k, ids in splits.items() if not isinstance(ids, list)]:
             raise DataError(f"{p}: client {name!r}: its {bad[0]} split is not a list of ids")
         if not splits["train"]:
             raise DataError(f"{p}: client {name!r} has an empty train split")
-    if client is not None and client not in raw["clients"]:  # a client given: the partition must hold it
-        raise DataError(f"{p}: no client {client!r} (clients: {sorted(raw['clients'])})")
+    if client is not None and client not in clients:  # a client given: the partition must hold it
+        raise DataError(f"{p}: no client {client!r} (clients: {sorted(clients)})")
     return raw
 
 
