@@ -30,7 +30,7 @@ import yaml
 
 from benchmarks.gpu_profile import pyspy_top, read_smi, replace_section
 from tools.gpu_study.device import RESERVE_S
-from tools.gpu_study.estimate import H100_PEAK, floor_flops_per_round
+from tools.gpu_study.estimate import H100_PEAK, client_counts, floor_flops_per_round
 from tools.gpu_study.importer import REPO, archives
 
 HOLDOUT = 3  # rounds each run's power law does not see, to show its error
@@ -114,8 +114,7 @@ def floor_per_run_round(rounds: dict[str, list], params: dict[str, Any], partiti
     the dense float32 and bfloat16 peaks; {} without the partition's sizes."""
     if not partition or not rounds:
         return {}
-    sizes = [c["sizes"] for c in partition["clients"].values()]
-    n_train, n_valid = sum(s["train"] for s in sizes), sum(s["valid"] for s in sizes)
+    n_train, n_valid = client_counts(partition)
     flops = {arm: floor_flops_per_round(n_train, n_valid, "kd" in arm, params) for arm in map(arm_of, rounds)}
     mean = sum(len(r) * flops[arm_of(e)] for e, r in rounds.items()) / sum(len(r) for r in rounds.values())
     return {dtype: mean / peak for dtype, peak in H100_PEAK.items()}

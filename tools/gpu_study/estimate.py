@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from tools.gpu_study.device import PROFILE, REPO, merged_params
 
@@ -69,17 +70,17 @@ def study_arms() -> dict[str, int]:
     return arms
 
 
-def client_counts(partition_report: Path) -> tuple[int, int]:
-    """Training and validation examples over all clients, from the partition stage's committed report."""
-    clients = json.loads(partition_report.read_text())["clients"].values()
-    return sum(c["sizes"]["train"] for c in clients), sum(c["sizes"]["valid"] for c in clients)
+def client_counts(report: dict[str, Any]) -> tuple[int, int]:
+    """Training and validation examples over all clients, from a partition stage report (its parsed JSON)."""
+    sizes = [c["sizes"] for c in report["clients"].values()]
+    return sum(s["train"] for s in sizes), sum(s["valid"] for s in sizes)
 
 
 def estimate(rounds: list[int], partition: Path) -> str:
     per_arm = measured(json.loads(TIMINGS.read_text()))
     arms = study_arms()
     backbone = max(v for k, v in json.loads(TIMINGS.read_text()).items() if k.startswith("backbone-"))
-    n_train, n_valid = client_counts(partition)
+    n_train, n_valid = client_counts(json.loads(partition.read_text()))
     evaluate = sum(per_arm[a]["evaluate"] * n for a, n in arms.items())
     lines = [
         f"study: {sum(arms.values())} runs ({', '.join(f'{a} x{n}' for a, n in arms.items())}); "
