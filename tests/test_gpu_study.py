@@ -478,6 +478,40 @@ def test_carried_wheels_whose_requirements_the_image_does_not_meet_fail_the_inst
     assert rc == f"needs-old 1.0 needs pytest<1, here pytest {have}"
 
 
+def _wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    mod, path = name.replace("-", "_"), folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(f"{mod}/__init__.py", "")
+        whl.writestr(f"{mod}-{version}.dist-info/METADATA", meta)
+        whl.writestr(
+            f"{mod}-{version}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        whl.writestr(f"{mod}-{version}.dist-info/RECORD", "")
+    return path
+
+
+@pytest.mark.parametrize("spare_version, unmet", [("1.5", None), ("2.1", "needs probe-dep<2, here probe-dep 2.1")])
+def test_a_spare_wheel_stands_in_for_an_image_package_outside_the_pins(tmp_path, spare_version, unmet):
+    """On 2026-11-28 the image's packaging, protobuf, rich and typer had moved past flwr's pins, the install step
+    refused, and rebuilding the carry cost the machine. The carry now holds spares (the pure-Python packages the
+    image has, at the pinned versions): one is installed only where the image's version misses a requirement, and
+    the requirements are checked again. Here the image lacks probe-dep: a spare that meets the pin passes, one
+    that does not is refused as before; a spare nothing needs (unused-spare) is not installed."""
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    _wheel(wheels, "needs-probe", "1.0", ("probe-dep<2",))
+    _wheel(wheels / "spare", "probe_dep", spare_version)
+    _wheel(wheels / "spare", "unused-spare", "1.0")
+    with (tmp_path / "log.txt").open("w") as log:
+        rc = device.install_wheels(wheels, site, log)
+    assert (site / "probe_dep").is_dir() and not (site / "unused_spare").exists()
+    assert rc == (0 if unmet is None else f"needs-probe 1.0 {unmet}")
+
+
 def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     """A finished KD run publishes models/<exp>/gate_log.parquet: a row per trained target token per round (~9 bytes
     a row as parquet; QMSum's 1,095 training examples of up to 96 target tokens: ~0.7 MiB a round), so the study's

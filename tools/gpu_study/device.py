@@ -239,9 +239,10 @@ def evaluate_all(experiments: list[str], params_path: str = "params.yaml") -> No
 
 
 # Each installed wheel's requirements against what a stage imports (``argv[1]``, the carried site, first; then the
-# image's): the unmet ones on one line. Not those of an extra, nor of the packages ``argv[2:]`` the study never runs.
+# image's): the unmet ones, a JSON list of [the required package's name, a line saying what is unmet]. Not those of
+# an extra, nor of the packages ``argv[2:]`` the study never runs.
 UNMET = """
-import importlib.metadata as md, sys
+import importlib.metadata as md, json, sys
 from packaging.requirements import Requirement
 unmet = []
 for dist in md.distributions(path=[sys.argv[1]]):
@@ -253,15 +254,18 @@ for dist in md.distributions(path=[sys.argv[1]]):
         except md.PackageNotFoundError:
             have = None
         if have is None or not req.specifier.contains(have, prereleases=True):
-            unmet.append(f"{dist.name} {dist.version} needs {req}, here {req.name} {have or '(none)'}")
-print("; ".join(sorted(unmet)))
+            unmet.append([req.name, f"{dist.name} {dist.version} needs {req}, here {req.name} {have or '(none)'}"])
+print(json.dumps(sorted(unmet, key=lambda u: u[1])))
 """
 UNUSED = ("uv",)  # required by flwr, never run by the study (tools/gpu_study/prepare.py does not carry it)
 
 
 def install_wheels(wheels: Path, site: Path, log) -> int | str:
     """0, or pip's status, or the carried wheels' requirements the image's packages do not meet (a protobuf outside
-    flwr's pins would fail only at the train step's first import of flwr, after the data stages and the backbone)."""
+    flwr's pins would fail only at the train step's first import of flwr, after the data stages and the backbone).
+    Where the image's version of a package is outside the pins and ``wheels/spare`` holds the pinned one (small
+    pure-Python packages the image has, carried in case its versions move: prepare.py), the spare is installed too
+    and the requirements checked again."""
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not found:
         print(f"no wheels in {wheels}: the current Python's packages are used", file=log, flush=True)
@@ -271,7 +275,19 @@ def install_wheels(wheels: Path, site: Path, log) -> int | str:
         return rc
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
     check = [sys.executable, "-c", UNMET, str(site), *UNUSED]
-    return subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout.strip() or 0
+    unmet = json.loads(subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout)
+    spares = {norm(w.name.split("-")[0]): w for w in sorted((wheels / "spare").glob("*.whl"))}
+    if needed := sorted({spares[norm(name)] for name, _ in unmet if norm(name) in spares}):
+        print(f"the image's versions outside the pins; installing the spares {[w.name for w in needed]}", file=log)
+        if rc := subprocess.run([*cmd, str(site), *map(str, needed)], stdout=log, stderr=subprocess.STDOUT).returncode:
+            return rc
+        unmet = json.loads(subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout)
+    return "; ".join(line for _, line in unmet) or 0
+
+
+def norm(name: str) -> str:
+    """A distribution's normalised name (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def make_workspace(repo: Path, work: Path, carry: Path, profile: Path) -> dict[str, Any]:

@@ -29,10 +29,11 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tools.gpu_study.device import PROFILE, REPO, UNUSED, merged_params, pack_weights
+from tools.gpu_study.device import PROFILE, REPO, UNUSED, merged_params, norm, pack_weights
 
 HERE = Path(__file__).resolve().parent
 MiB = 1024 * 1024
@@ -50,10 +51,6 @@ BUILD_HERE = ("rouge-score==0.1.2",)
 # Flower modules without it, docs/gpu-lease.md).
 SKIP = set(UNUSED)
 PY_SPY = "0.4.3"  # the sampler a resumed call carries (its wheel holds one static executable)
-
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pinned(pyproject: Path, names: tuple[str, ...]) -> list[str]:
@@ -82,9 +79,10 @@ def device_packages() -> set[str]:
     return {norm(line) for line in lines if line.strip() and not line.startswith("#")}
 
 
-def wheels(requirements: list[str], cache: Path, python: str = "3.12") -> list[Path]:
+def wheels(requirements: list[str], cache: Path, python: str = "3.12") -> tuple[list[Path], list[Path]]:
     """The wheels of ``requirements`` and their dependencies for the lent machine (CPython ``python``), less what
-    its image has."""
+    its image has; and the spares: the pure-Python ones of what its image has, installed there only if the image's
+    version is outside the pins (``device.install_wheels``: its versions moved past flwr's once, 2026-11-28)."""
     built, dest = cache / "built", cache / f"wheels-cp{python.replace('.', '')}"
     if not any(built.glob("*.whl")):
         pip("wheel", "-q", "--no-deps", "-w", str(built), *BUILD_HERE)
@@ -96,18 +94,18 @@ def wheels(requirements: list[str], cache: Path, python: str = "3.12") -> list[P
             *("--find-links", str(built), *target_args(python), *requirements),
         )
     present = device_packages()
-    pins = {
-        norm(i["metadata"]["name"]): i["metadata"]["version"]
-        for i in json.loads(report.read_text())["install"]
-        if norm(i["metadata"]["name"]) not in present | SKIP
-    }
+    resolved = [i for i in json.loads(report.read_text())["install"] if norm(i["metadata"]["name"]) not in SKIP]
+    pins = {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in resolved}
+    pure = {norm(i["metadata"]["name"]) for i in resolved if i["download_info"]["url"].endswith("-none-any.whl")}
     dest.mkdir(parents=True, exist_ok=True)
     have = {(norm(p.name.split("-")[0]), p.name.split("-")[1]): p for p in dest.glob("*.whl")}
-    missing = [f"{n}=={v}" for n, v in pins.items() if (n, v) not in have]
+    wanted = {n: v for n, v in pins.items() if n not in present or n in pure}
+    missing = [f"{n}=={v}" for n, v in wanted.items() if (n, v) not in have]
     if missing:
         pip("download", "-q", "--no-deps", "--find-links", str(built), "-d", str(dest), *target_args(python), *missing)
         have = {(norm(p.name.split("-")[0]), p.name.split("-")[1]): p for p in dest.glob("*.whl")}
-    return sorted(have[(n, v)] for n, v in pins.items())
+    carried = sorted(have[(n, v)] for n, v in wanted.items() if n not in present)
+    return carried, sorted(have[(n, v)] for n, v in wanted.items() if n in present)
 
 
 def py_spy(cache: Path, dest: Path) -> Path:
@@ -145,18 +143,26 @@ def _size(path: Path) -> int:
 
 
 def build_carry(
-    out: Path, data_root: Path, datasets: list[str], wheel_files: list[Path], minilm: Path, room: int
+    out: Path,
+    data_root: Path,
+    datasets: list[str],
+    wheel_files: list[Path],
+    minilm: Path,
+    room: int,
+    spare_wheels: Sequence[Path] = (),
 ) -> dict[str, Any]:
     """``out/carry`` (the study's call) and, when that would hold more than ``room`` bytes, ``out/stage1``, ... (one
-    earlier call each, ``room`` bytes at most) with the first parts of the packed MiniLM weights; returns the
-    manifest (sizes in bytes), also written as ``out/carry/manifest.json``."""
+    earlier call each, ``room`` bytes at most) with the first parts of the packed MiniLM weights, the spare wheels
+    in ``out/carry/wheels/spare``; returns the manifest (sizes in bytes), also written as
+    ``out/carry/manifest.json``."""
     for old in [out / "carry", *out.glob("stage*")]:
         shutil.rmtree(old, ignore_errors=True)
     carry = out / "carry"
-    (carry / "wheels").mkdir(parents=True)
+    (carry / "wheels" / "spare").mkdir(parents=True)
     (carry / "minilm").mkdir()
-    for w in wheel_files:
-        shutil.copy(w, carry / "wheels" / w.name)
+    for folder, files in ((carry / "wheels", wheel_files), (carry / "wheels" / "spare", spare_wheels)):
+        for w in files:
+            shutil.copy(w, folder / w.name)
     for f in sorted(minilm.iterdir()):
         if f.is_file() and not f.name.startswith((".", "__")) and f.name != "model.safetensors":
             shutil.copy(f, carry / "minilm" / f.name)
@@ -183,6 +189,7 @@ def build_carry(
         "weights": weights,
         "calls": {f.name: _size(f) for f in sorted(out.glob("stage*"))} | {"carry": 0},
         "wheels": [w.name for w in wheel_files],
+        "spare_wheels": [w.name for w in spare_wheels],
         "sizes": {
             "wheels": _size(carry / "wheels"),
             "minilm_packed": len(packed),
@@ -234,16 +241,16 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     root = args.root.resolve()
     params = merged_params(root, args.profile)
-    wheel_files = wheels(pinned(root / "pyproject.toml", REQUIREMENTS), root / ".gpu-study/cache", args.python)
+    wheel_files, spares = wheels(pinned(root / "pyproject.toml", REQUIREMENTS), root / ".gpu-study/cache", args.python)
     tree = working_tree_bytes(root)
     room = LIMIT - tree - int(args.margin * MiB)
     m = build_carry(
-        root / ".gpu-study", args.data_root, params["ingest"]["datasets"], wheel_files, minilm_files(), room
+        root / ".gpu-study", args.data_root, params["ingest"]["datasets"], wheel_files, minilm_files(), room, spares
     )
     sizes = m["sizes"]
     print(
-        f"carry: wheels {sizes['wheels'] / MiB:.1f} MiB ({len(wheel_files)}), MiniLM {sizes['minilm_packed'] / MiB:.1f} "
-        f"MiB packed ({sizes['minilm_float32'] / MiB:.1f} MiB as float32 files), raw data {sizes['raw'] / MiB:.1f} MiB "
+        f"carry: wheels {sizes['wheels'] / MiB:.1f} MiB ({len(wheel_files)} files and {len(spares)} spares), "
+        f"MiniLM {sizes['minilm_packed'] / MiB:.1f} MiB packed ({sizes['minilm_float32'] / MiB:.1f} MiB as float32 files), raw data {sizes['raw'] / MiB:.1f} MiB "
         f"({', '.join(m['datasets'])}); the working tree {tree / MiB:.1f} MiB travels with each call:"
     )
     for name, size in m["calls"].items():
