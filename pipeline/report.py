@@ -17,7 +17,7 @@ from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
 from pipeline.planning import declared, resolve_plan
-from pipeline.results import claims, human_eval, published
+from pipeline.results import claims, figures, human_eval, published
 from pipeline.results.outputs import Made, build_report, results_text, write_tables
 from pipeline.results.stats import BootstrapConfig
 from pipeline.results.tables import ReportConfig, ReportInputs
@@ -53,12 +53,13 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
 
 
 def rebuild_study(folder: Path) -> dict[str, Any]:
-    """`python -m pipeline.report rebuild` (docs/ARCHITECTURE.md), README block included; identical-summary fractions
-    come from the folder's previous comparisons.csv where predictions are absent."""
+    """`python -m pipeline.report rebuild` (docs/ARCHITECTURE.md): the tables, the learning curves and the README
+    block; identical-summary fractions come from the folder's previous comparisons.csv where predictions are absent."""
     made = Made()
     inp = report_inputs(load_params(folder / "params.yaml"), str(folder / "params.yaml"))
     compared = write_tables(inp, folder, made, previous=folder / "comparisons.csv")[0]
     made.csv("tables", folder / "comparisons.csv", compared)
+    figures.learning_curves(inp, folder, made)
     readme_path = folder / "README.md"
     if readme_path.is_file() and claims.BEGIN in readme_path.read_text(encoding="utf-8"):
         write_claims(folder, [readme_path])

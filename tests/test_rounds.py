@@ -687,7 +687,7 @@ def test_the_plotted_round_mean_is_the_stop_rules_client_average(tmp_path):
         (Path(plan.paths["reports_dir"]) / "rounds.json").read_bytes()
     )
     planned = [SimpleNamespace(name="exp", seed=0, study="main")]
-    assert learning_curves(SimpleNamespace(planned=planned, labels={"exp": "fedavg"}), paths, Made()) == 1
+    assert learning_curves(SimpleNamespace(planned=planned, labels={"exp": "fedavg"}), paths.reports, Made()) == 1
     curve = pd.read_csv(paths.plots / "learning_curves" / "main--fedavg.csv")
     assert curve["val_loss_mean"].iloc[0] == 4.0 and math.isnan(curve["val_loss_mean"].iloc[1])
 

@@ -64,13 +64,13 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     return str(fig_path)
 
 
-def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
+def learning_curves(inp: ReportInputs, reports: Path, made: Made) -> int:
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
-    (its lowest seed trained), into ``made``; data in ``reports/plots/learning_curves/<study>--<configuration>.csv``.
-    How many figures were drawn."""
+    (its lowest seed trained), from ``reports/train`` into ``reports/figures`` and ``made`` (reports/ or a study
+    folder); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``. How many figures were drawn."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
     for p in sorted(inp.planned, key=lambda p: p.seed):  # each configuration's lowest seed with rounds
-        if (path := paths.train_report(p.name) / "rounds.json").is_file():
+        if (path := reports / "train" / p.name / "rounds.json").is_file():
             by_study[p.study].setdefault(inp.labels[p.name], (p.seed, path))
     drawn = 0
     for study, runs in sorted(by_study.items()):
@@ -95,10 +95,10 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
             ax.legend(fontsize=6)
             wide = df.pivot_table(index="round", columns="client", values="val_loss").sort_index()
             wide.insert(0, "val_loss_mean", mean.reindex(wide.index))
-            csv_path = paths.plots / "learning_curves" / f"{study}--{slug(label)}.csv"
+            csv_path = reports / "plots" / "learning_curves" / f"{study}--{slug(label)}.csv"
             atomic.to_csv(wide.reset_index(), csv_path, index=False)
         axes[0][0].set_ylabel("loss per target token")
-        made.files["figures"].append(str(save(fig, paths.figures / f"learning_curves_{study}.png")))
+        made.files["figures"].append(str(save(fig, reports / "figures" / f"learning_curves_{study}.png")))
         drawn += 1
     return drawn
 

@@ -125,7 +125,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     points = figures.privacy_points(inp, scores, paths)
     if not points.empty:
         made.files["figures"].append(figures.privacy_figure(points, paths))
-    if not figures.learning_curves(inp, paths, made):
+    if not figures.learning_curves(inp, paths.reports, made):
         made.not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 
     # Sheets: the main study's lowest seed with the target and another method; case study: with FedAvg and SelectKD.

@@ -14,9 +14,9 @@ last two possibly cut into ``.partN`` pieces). The import
    the closing metrics and convergence tags, its records as artifacts) and then its evaluation into that run
    (pipeline.results.evaluation.log_to_mlflow, as the evaluate stage does); each run once, whichever call's files
    bring it (an earlier import of a cut call's: only the evaluation it lacked is added);
-3. writes the tables and ``comparisons.csv`` with the report stage's ``rebuild`` (pipeline.report.rebuild_study) and
-   a README whose facts (device, wall time per step, runs trained, converged and evaluated) come from the files,
-   then removes the generated summaries (``eval/<exp>/predictions.jsonl``; they stay in the returned archive).
+3. writes the tables, ``comparisons.csv`` and the learning curves with the report stage's ``rebuild``
+   (pipeline.report.rebuild_study) and a README whose facts (device, wall time per step, runs trained, converged and
+   evaluated) come from the files, then removes the generated summaries (``eval/<exp>/predictions.jsonl``; they stay in the returned archive).
 """
 
 from __future__ import annotations
@@ -195,27 +195,6 @@ def readme(dest: Path, study: dict[str, Any]) -> str:
     )
 
 
-def learning_curves(dest: Path) -> list[str]:
-    """The report stage's learning-curve figures (each study's lowest seed per configuration, every round to its
-    stop) drawn from the study folder's ``train/`` into its ``figures/``, their data into ``plots/``."""
-    from pipeline.common.config import load_params
-    from pipeline.paths import ProjectPaths
-    from pipeline.report import report_inputs
-    from pipeline.results import figures
-    from pipeline.results.tables import Made
-
-    made = Made()
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = ProjectPaths(Path(tmp))  # the stage's layout, its train reports the study's
-        paths.reports.mkdir()
-        (paths.reports / "train").symlink_to((dest / "train").resolve())
-        figures.learning_curves(report_inputs(load_params(dest / "params.yaml")), paths, made)
-        for kind, into in ((paths.figures, dest / "figures"), (paths.plots, dest / "plots")):
-            if kind.is_dir():
-                shutil.copytree(kind, into, dirs_exist_ok=True)
-    return [str(dest / "figures" / Path(f).name) for f in made.files["figures"]]
-
-
 def import_study(returned: Path, dest: Path) -> dict[str, Any]:
     from pipeline.report import rebuild_study
 
@@ -223,7 +202,6 @@ def import_study(returned: Path, dest: Path) -> dict[str, Any]:
     ids = log_runs(dest, study["device"].get("gpu") or "cpu")
     (dest / "README.md").write_text(readme(dest, study))
     made = rebuild_study(dest)
-    made["made"]["figures"] = learning_curves(dest)
     # the generated summaries (~0.16 MiB a run) stay out, as reports/cpu-study's do (the working tree travels with
     # each device call); they are in the call's results.tar.gz, which call_report keeps. The rebuild has put their
     # identical fractions into comparisons.csv, where a later rebuild takes them from (pipeline.results.comparisons)
