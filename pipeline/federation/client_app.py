@@ -222,7 +222,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
 
     progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else checkpoints.initial_progress()
     out = client_dir(plan, name, context)
-    progress, _ = checkpoints.keep_best_and_final(out, plan, name, rnd, val_loss, local, progress)
+    progress = checkpoints.keep_best_and_final(out, plan, name, rnd, val_loss, local, progress)
     if trained and spec.local_from_global:  # the others' local adapter is in context.state already
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
