@@ -14,12 +14,15 @@ Full-model FedAvg moves every backbone parameter (tied weights once) both ways i
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from benchmarks.common import Shape, build_summarizer
-from pipeline.federation.compression import TRANSFER_DTYPES, decode_state, encode_state, transfer_error_bound
+from pipeline.experiments.train_config import TransferDtype
+from pipeline.federation.compression import SCALE_SUFFIX, decode_state, encode_state
 from pipeline.federation.engines import _set_server_identity
 from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
@@ -28,6 +31,19 @@ from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_
 def encoded_nbytes(encoded: dict[str, torch.Tensor]) -> int:
     """Raw tensor bytes of an encoded state (no container overhead)."""
     return sum(t.numel() * t.element_size() for t in encoded.values())
+
+
+def transfer_error_bound(encoded: dict[str, torch.Tensor], key: str) -> float:
+    """Guaranteed max |decoded - original| for ``key``: 0 for fp32; int8: s/2 + s 2^-14 (float32 rounds x/s and q*s,
+    < 127 s 2^-23 each); fp16: half a unit in the last place at the largest magnitude (2^-11 relative, plus 2^-25
+    absolute for subnormals; the factor 1 + 2^-10 covers measuring the magnitude after rounding)."""
+    value = encoded[key]
+    if value.dtype == torch.int8:
+        return float(encoded[key + SCALE_SUFFIX]) * (0.5 + 2.0**-14)
+    if value.dtype == torch.float16:
+        amax = float(value.float().abs().max()) if value.numel() else 0.0
+        return amax * 2.0**-11 * (1 + 2.0**-10) + 2.0**-25
+    return 0.0
 
 
 def wire_bytes(message: Message) -> int:
@@ -97,7 +113,7 @@ def bench_communication(shape: Shape) -> dict:
 
     full_fp32 = measure(full, full)
     adapters = {}
-    for dtype in TRANSFER_DTYPES:
+    for dtype in get_args(TransferDtype):
         m = measure(encode_state(global_, dtype), encode_state(local, dtype))
         m["full_model_over_adapter"] = round(full_fp32["round_wire_bytes"] / m["round_wire_bytes"], 2)
         m["error_weights"] = codec_error(local, dtype, None)

@@ -651,6 +651,31 @@ def test_a_site_whose_copy_of_the_plan_is_at_another_path_removes_its_earlier_ru
     assert [f for f in files if f.exists()] == []
 
 
+def test_an_evaluate_reply_holds_the_metrics_the_server_reads_and_no_other(ws):
+    """An evaluate reply (client_evaluate) is Flower's weight and what the server records of it (server_app._evaluate:
+    the validation loss, its tokens and the client's best round), each a number; nothing else leaves the client."""
+    from flwr.app import ConfigRecord, Message
+
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, encode_global, load_plan
+    from pipeline.training.shared_model import initial_adapter_state
+
+    path = write_plan("client-eval-reply", "fedavg")
+    plan = load_plan(path)
+    _set_server_identity(1)
+    content = {
+        ARRAYS_KEY: encode_global(initial_adapter_state(plan), plan),  # fedavg's clients evaluate the global
+        CONFIG_KEY: ConfigRecord({"server-round": 1, "plan": path, **CLIENT_SETTINGS}),
+    }
+    msg = Message(RecordDict(content), dst_node_id=7, message_type="evaluate")
+    reply = client_app(message=msg, context=_context(**{"client-name": "Product"}))
+    assert not reply.has_error(), reply.error
+    metrics = dict(reply.content.metric_records[METRICS_KEY])
+    assert sorted(metrics) == ["best-round", "num-examples", "val-loss", "val-tokens"]
+    assert metrics["best-round"] == 1 and metrics["num-examples"] > 0 and metrics["val-tokens"] > 0
+
+
 # ----------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("message_type", ["train", "evaluate"])
 def test_a_failing_client_tells_the_server_the_error_class_only_and_its_own_log_the_text(ws, caplog, message_type):

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.communication import encoded_nbytes
+from benchmarks.communication import encoded_nbytes, transfer_error_bound
 from pipeline.federation.compression import (
     SCALE_SUFFIX,
     decode_state,
     encode_state,
     quantize_int8,
-    transfer_error_bound,
 )
 from pipeline.modeling.adapters import AdapterConfig, AdapterSet
 

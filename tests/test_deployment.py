@@ -239,6 +239,23 @@ def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, mon
     assert all(not math.isnan(v["avg_rouge"]) for v in calls[-1]["clients"].values())
 
 
+def test_the_deployed_server_reads_its_checkpoint_once_per_start(ws, caplog):
+    """serve reads the server checkpoint (where the run starts, whether its MLflow run is new) and the round loop
+    resumes from it: one file, read once; a stale one (another plan's) is one warning, not one per reader."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training import checkpoints
+
+    path = write_plan("dep-stale", "fedavg", rounds=1)
+    stale = checkpoints.server_checkpoint_path(load_plan(path))
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"plan_hash": "another plan", "round": 1}, stale)
+    with caplog.at_level("WARNING", logger="fedmeet"):
+        _serve_inprocess(path, evaluate=False, mlflow=False)
+    assert [r.getMessage() for r in caplog.records if "checkpoint belongs to" in r.getMessage()] == [
+        f"{stale}: checkpoint belongs to another configuration; starting over"
+    ]
+
+
 @pytest.mark.timeout(400)
 def test_a_federated_rerun_over_an_earlier_evaluation_leaves_no_file_of_the_earlier_run(ws):
     """The train and evaluate stages ran an experiment (models/, reports/train/, reports/eval/ with per-example

@@ -690,7 +690,7 @@ def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
 
 @pytest.mark.slow
 def test_transfer_encodings_shrink_bytes_and_stay_within_the_codec_bound(ws):
-    from pipeline.federation.compression import transfer_error_bound
+    from benchmarks.communication import transfer_error_bound
 
     wide = {"bottleneck": 256}  # big enough that the per-array .npy headers do not hide the 2x / 4x
     runs = {}

@@ -76,7 +76,7 @@ def _plan(dtype: str, delta: bool):
 
 
 def _bound(encoded: dict[str, torch.Tensor], key: str) -> float:
-    from pipeline.federation.compression import transfer_error_bound
+    from benchmarks.communication import transfer_error_bound
 
     return transfer_error_bound(encoded, key)
 

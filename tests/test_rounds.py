@@ -66,9 +66,8 @@ def test_best_adapter_is_the_first_round_with_the_lowest_loss_and_final_the_last
     out = tmp_path_factory.mktemp("client")
     progress = initial_progress()
     for rnd, loss in enumerate(val, start=1):
-        progress, is_best = keep_best_and_final(out, plan, "Academic", rnd, loss, _state(float(rnd)), progress)
+        progress = keep_best_and_final(out, plan, "Academic", rnd, loss, _state(float(rnd)), progress)
         best_round = 1 + val[:rnd].index(min(val[:rnd]))
-        assert is_best is (best_round == rnd)
         assert progress == {"best-val-loss": min(val[:rnd]), "best-round": best_round}
         best, final = load_adapter(adapter_file(out, "best")), load_adapter(adapter_file(out, "final"))
         assert all(torch.equal(best[k], v) for k, v in _state(float(best_round)).items())
@@ -114,8 +113,8 @@ def test_a_nan_loss_is_never_best():
 
     plan = _plan_cached()
     out = Path("models/rounds-nan/clients/Academic")
-    progress, is_best = keep_best_and_final(out, plan, "Academic", 1, float("nan"), _state(1.0), initial_progress())
-    assert not is_best and progress["best-round"] == 0
+    progress = keep_best_and_final(out, plan, "Academic", 1, float("nan"), _state(1.0), initial_progress())
+    assert progress == {"best-val-loss": math.inf, "best-round": 0}
     assert not (out / "adapter_best.safetensors").exists() and (out / "adapter_final.safetensors").exists()
 
 
@@ -287,7 +286,7 @@ def test_a_checkpoint_from_the_final_adapter_keeps_its_round_when_the_final_move
     plan = _plan_cached()
     out, ckpt, progress = tmp_path / "client", tmp_path / "ckpt", initial_progress()
     for rnd in (1, 2, 3):
-        progress, _ = keep_best_and_final(out, plan, "Academic", rnd, 5.0 - rnd, _state(float(rnd)), progress)
+        progress = keep_best_and_final(out, plan, "Academic", rnd, 5.0 - rnd, _state(float(rnd)), progress)
         write_client_checkpoint(ckpt, rnd, adapter_file(out, "final"), progress, True, None)
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["round002.safetensors", "round003.safetensors"]
     for rnd in (2, 3):

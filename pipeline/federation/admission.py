@@ -12,7 +12,6 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from pipeline.federation import protocol
-from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, PLAN_HASH, START_OVER, error_line, load_plan, metrics_row
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -102,25 +101,27 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None) -> 
     """The client names the nodes ``ids`` answer query.identify with, each with whether the node serves ``plan_path``
     (by its hash; ``sizes`` receives such a client's ``num-train`` / ``num-valid``); a node gone offline is left out
     (its client may come back before the timeout)."""
-    ours = load_plan(plan_path).hash  # with start_over: the plan whose nodes start over (a path may differ)
-    config = {"plan": plan_path, START_OVER: start_over, PLAN_HASH: ours}
-    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in ids]
+    ours = protocol.load_plan(plan_path).hash  # with start_over: the plan whose nodes start over (a path may differ)
+    config = {"plan": plan_path, protocol.START_OVER: start_over, protocol.PLAN_HASH: ours}
+    msgs = [
+        Message(RecordDict({protocol.CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=protocol.IDENTIFY)
+        for n in ids
+    ]
     named: dict[int, tuple[str, bool]] = {}
-    for reply in grid.send_and_receive(msgs, timeout=timeout):  # node: the query's (a SuperLink answers if offline)
-        node = next(m.metadata.dst_node_id for m in msgs if m.metadata.message_id == reply.metadata.reply_to_message_id)
+    for node, reply in protocol.replies_by_node(grid, msgs, timeout).items():  # a SuperLink answers for an offline node
         identity = None if reply.has_error() else reply.content.config_records.get("identity")
         try:  # a reply that cannot be read is a node failing to identify: a deployed client must not end the run
             name = str(identity["client-name"])  # no identity record (None): TypeError
             spec = {k: (k, *protocol.COUNT) for k in ("num-train", "num-valid") if k in identity}
-            counts = metrics_row(identity, spec, "identity's counts")
+            counts = protocol.metrics_row(identity, spec, "identity's counts")
         except (KeyError, TypeError, ValueError) as e:
             why = f"its reply has no identity ConfigRecord of a client-name (whole num-train, num-valid): {e!r}"
-            why = error_line(reply) if reply.has_error() else why
+            why = protocol.error_line(reply) if reply.has_error() else why
             if admission and not (reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE):
                 raise RuntimeError(f"node {node} failed to identify: {why}") from None
             log.warning("node %d connected but failed to identify; left out: %s", node, why)
             continue
-        named[node] = (name, identity.get(PLAN_HASH) == ours)
+        named[node] = (name, identity.get(protocol.PLAN_HASH) == ours)
         if sizes is not None and named[node][1]:  # it serves our plan
             sizes[name] = counts
     return named

@@ -222,7 +222,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
 
     progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else checkpoints.initial_progress()
     out = client_dir(plan, name, context)
-    progress, is_best = checkpoints.keep_best_and_final(out, plan, name, rnd, val_loss, local, progress)
+    progress = checkpoints.keep_best_and_final(out, plan, name, rnd, val_loss, local, progress)
     if trained and spec.local_from_global:  # the others' local adapter is in context.state already
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
@@ -230,6 +230,6 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     checkpoints.write_client_checkpoint(ckpt_dir, rnd, final, progress, trained, privacy.dp_steps(context))
 
     metrics = {NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss), "val-tokens": int(val_tokens)}
-    metrics |= {"best-round": int(progress["best-round"]), "is-best": int(is_best)}
+    metrics["best-round"] = int(progress["best-round"])
     identity = ConfigRecord({"client-name": name})
     return Message(RecordDict({METRICS_KEY: MetricRecord(metrics), "identity": identity}), reply_to=msg)

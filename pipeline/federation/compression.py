@@ -4,13 +4,8 @@ hold) the difference to it is encoded, so the int8 step follows the update rathe
 
 from __future__ import annotations
 
-from typing import get_args
-
 import torch
 
-from pipeline.experiments.train_config import TransferDtype
-
-TRANSFER_DTYPES = get_args(TransferDtype)
 SCALE_SUFFIX = ".int8_scale"
 INT8_LEVELS = 127  # symmetric grid -127..127
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -94,16 +89,3 @@ def decode_state(
             x = x + reference[key].detach().to("cpu", torch.float32)
         out[key] = x
     return out
-
-
-def transfer_error_bound(encoded: dict[str, torch.Tensor], key: str) -> float:
-    """Guaranteed max |decoded - original| for ``key``: 0 for fp32; int8: s/2 + s 2^-14 (float32 rounds x/s and q*s,
-    < 127 s 2^-23 each); fp16: half a unit in the last place at the largest magnitude (2^-11 relative, plus 2^-25
-    absolute for subnormals; the factor 1 + 2^-10 covers measuring the magnitude after rounding)."""
-    value = encoded[key]
-    if value.dtype == torch.int8:
-        return float(encoded[key + SCALE_SUFFIX]) * (0.5 + 2.0**-14)
-    if value.dtype == torch.float16:
-        amax = float(value.float().abs().max()) if value.numel() else 0.0
-        return amax * 2.0**-11 * (1 + 2.0**-10) + 2.0**-25
-    return 0.0

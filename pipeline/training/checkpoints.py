@@ -178,17 +178,15 @@ def keep_best_and_final(
     val_loss: float,
     state: dict[str, torch.Tensor],
     progress: dict[str, float],
-) -> tuple[dict[str, float], bool]:
+) -> dict[str, float]:
     """Save the round's adapter as ``adapter_final`` and, when its validation loss beats the client's best so
-    far, as ``adapter_best`` (the same file: linked); returns the client's progress after this round and whether the
-    round is its best."""
+    far, as ``adapter_best`` (the same file: linked); returns the client's progress after this round."""
     meta = {"experiment": plan.experiment, "client": client, "round": str(rnd), "val_loss": f"{val_loss:.6f}"}
-    is_best = val_loss < progress["best-val-loss"]
     save_adapter(adapter_file(out, "final"), state, meta)
-    if is_best:
+    if val_loss < progress["best-val-loss"]:  # a NaN loss: never best
         progress = {"best-val-loss": float(val_loss), "best-round": rnd}
         atomic.link(adapter_file(out, "final"), adapter_file(out, "best"))
-    return progress, is_best
+    return progress
 
 
 def publish_outputs(plan: Plan) -> None:

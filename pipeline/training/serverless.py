@@ -91,7 +91,7 @@ def run_serverless(
         rows = []
         for n, (val, val_tokens) in zip(names, at_barrier(validate, names)):
             unit = unit_of[n]
-            progress[n], _ = checkpoints.keep_best_and_final(
+            progress[n] = checkpoints.keep_best_and_final(
                 checkpoints.client_output_dir(plan, n), plan, n, rnd, val, adapters[unit], progress[n]
             )
             validated = {"val_loss": val, "val_tokens": val_tokens, "best_round": progress[n]["best-round"]}
