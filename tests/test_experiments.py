@@ -226,6 +226,70 @@ def test_an_infinite_number_is_refused_at_planning_in_one_line(key):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "privacy, line",
+    [
+        (
+            {"mode": "example", "noise_multiplier": float("nan")},
+            "noise_multiplier=nan is out of range; allowed: a finite number",
+        ),
+        ({"mode": "example", "noise_multiplier": -1.0}, "noise_multiplier=-1.0 is out of range; allowed: >= 0"),
+        (
+            {"mode": "example", "target_epsilon": float("inf")},
+            "target_epsilon=inf is out of range; allowed: a finite number",
+        ),
+        ({"mode": "example", "target_epsilon": 0.0}, "target_epsilon=0.0 is out of range; allowed: > 0"),
+        (
+            {"mode": "example", "noise_multiplier": 1.0, "delta": float("nan")},
+            "delta=nan is out of range; allowed: a finite number",
+        ),
+        ({"mode": "example", "noise_multiplier": 1.0, "delta": 1.0}, "delta=1.0 is out of range; allowed: > 0 and < 1"),
+        (
+            {"mode": "example", "noise_multiplier": 1.0, "max_grad_norm": float("nan")},
+            "max_grad_norm=nan is out of range; allowed: > 0",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": -float("inf")},
+            "clipping_norm=-inf is out of range; allowed: > 0",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "clipped_count_stddev": float("inf")},
+            "clipped_count_stddev=inf is out of range; allowed: a finite number",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "clip_norm_lr": -0.2},
+            "clip_norm_lr=-0.2 is out of range; allowed: > 0",
+        ),
+        (
+            {
+                "mode": "client",
+                "noise_multiplier": 1.0,
+                "clipping_norm": 1.0,
+                "secagg": {"clipping_range": float("inf")},
+            },
+            "secagg.clipping_range=inf is out of range; allowed: a finite number",
+        ),
+    ],
+)
+def test_a_dp_number_out_of_range_is_refused_at_planning_in_one_line_naming_the_file_and_key(privacy, line):
+    """The DP settings' numbers (noise multiplier, target epsilon, delta, the clipping bounds, adaptive clipping's
+    rate and count noise, SecAgg+'s range) are refused by the plan stage, NaN, inf (but a clipping bound's .inf, no
+    clipping) and out-of-range values alike, in one line naming the params file and the key: not by opacus, Flower
+    or torch in the train stage. In the params file's group and in an entry's overrides of it."""
+    from pipeline.planning import check_params
+
+    params = _params(privacy={**load_params(ROOT / "params.yaml")["privacy"], **privacy})
+    with pytest.raises(ConfigError) as e:
+        check_params(params, "site/params.yaml")
+    assert str(e.value) == f"site/params.yaml privacy.{line}"
+    entry = next(name for name, raw in params["experiments"].items() if raw["method"] == "fedavg")
+    params = _params()
+    params["experiments"][entry]["privacy"] = privacy
+    with pytest.raises(ConfigError) as e:
+        check_params(params, "site/params.yaml")
+    assert str(e.value) == f"site/params.yaml experiments.{entry} privacy.{line}"
+
+
 def test_an_infinite_clipping_bound_and_tau_still_plan():
     """.inf is meaningful where the docs give it a meaning: no clipping (privacy.md, with noise 0) and a tau every
     entropy is below (H(q_g) < inf: KD on every token)."""

@@ -212,6 +212,45 @@ def test_a_privacy_report_becomes_a_history_row():
     assert type(zero["dp_steps"]) is int and type(zero["delta"]) is float
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("dp-noise-multiplier", float("nan")),
+        ("dp-noise-multiplier", float("inf")),
+        ("dp-noise-multiplier", -1.1),
+        ("dp-sample-rate", 2.0),
+        ("dp-sample-rate", float("nan")),
+        ("dp-sample-rate", -0.25),
+        ("dp-delta", float("nan")),
+        ("dp-delta", 2.0),
+        ("dp-delta", -1e-5),
+        ("dp-epsilon", float("nan")),
+        ("dp-epsilon", float("inf")),
+        ("dp-epsilon", -2.0),
+        ("dp-max-grad-norm", float("nan")),
+        ("dp-max-grad-norm", float("inf")),
+    ],
+)
+def test_a_privacy_report_out_of_range_is_a_malformed_reply(key, value):
+    """A DP-SGD report's floats are a client's ClientPrivacy and its accountant's epsilon: finite (-1 the mark of an
+    unbounded epsilon or C), the noise multiplier >= 0, the sampling rate and delta probabilities. A reply holding
+    another is malformed (its client's failure), not recorded: the run record puts the reported settings through
+    opacus' accountant (seam.run_record names the accountant of the largest epsilon), which raises on a sampling
+    rate above 1 (math domain error) and does not return on a NaN or infinite noise multiplier, after every round."""
+    from types import SimpleNamespace
+
+    from pipeline.common.config import from_dict
+    from pipeline.experiments.privacy import PrivacyConfig
+    from pipeline.federation import protocol
+
+    example = SimpleNamespace(privacy=from_dict(PrivacyConfig, {"mode": "example", "noise_multiplier": 1.0}, "p"))
+    trained = {"num-examples": 8, "num-trained": 8, "num-steps": 2, "num-tokens": 80, "train-loss": 1.0, "ce": 1.0}
+    trained |= {"kd": 0.0, "kd-fraction": 0.0, "proximal": 0.0}
+    assert protocol.train_reply_row(MetricRecord(dict(_privacy()) | trained), example)["sample_rate"] == 0.25
+    with pytest.raises(ValueError, match=rf"no single number of their type: {{'{key}': {value}}}"):
+        protocol.train_reply_row(MetricRecord(dict(_privacy(**{key: value})) | trained), example)
+
+
 def test_fp32_never_sends_a_delta_even_when_a_plan_asks_for_one(ws):
     """A hand-written plan with fp32 and train.transfer_delta: fp32 is exact, so no delta is taken (it could only
     add float32 rounding): no downlink reference, the client decodes the global bit for bit."""

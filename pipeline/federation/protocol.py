@@ -48,14 +48,15 @@ EVAL_METRICS = {
     "val-tokens": ("val_tokens", *COUNT),
     "best-round": ("best_round", *COUNT),
 }
-# Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key with its
-# history row field (train_reply_row reads them) and type; an unbounded epsilon or max_grad_norm travels as -1.
+# Added under privacy.mode example: the client's DP-SGD report (pipeline.privacy.seam.account), each key as
+# TRAIN_METRICS, bounded: finite (-1: an unbounded epsilon or max_grad_norm), delta and sampling rate in [0, 1].
+FINITE = math.nextafter(math.inf, 0)  # the largest float: a bound that refuses inf (opacus' accountant never returns)
 DP_METRICS = {
-    "dp-epsilon": ("epsilon", float),
-    "dp-delta": ("delta", float),
-    "dp-noise-multiplier": ("noise_multiplier", float),
-    "dp-max-grad-norm": ("max_grad_norm", float),
-    "dp-sample-rate": ("sample_rate", float),
+    "dp-epsilon": ("epsilon", float, -1, FINITE),
+    "dp-delta": ("delta", float, 0, 1),
+    "dp-noise-multiplier": ("noise_multiplier", float, 0, FINITE),
+    "dp-max-grad-norm": ("max_grad_norm", float, -1, FINITE),
+    "dp-sample-rate": ("sample_rate", float, 0, 1),
     "dp-steps": ("dp_steps", *COUNT),
     "dp-examples": ("dp_examples", *COUNT),
     "dp-clipped": ("dp_clipped", *COUNT),
