@@ -16,7 +16,8 @@ last two possibly cut into ``.partN`` pieces). The import
    bring it (an earlier import of a cut call's: only the evaluation it lacked is added);
 3. writes the tables, ``comparisons.csv`` and the learning curves with the report stage's ``rebuild``
    (pipeline.report.rebuild_study) and a README whose facts (device, wall time per step, runs trained, converged and
-   evaluated) come from the files, then removes the generated summaries (``eval/<exp>/predictions.jsonl``; they stay in the returned archive).
+   evaluated) come from the files, then removes the generated summaries (``eval/<exp>/predictions.jsonl``; they
+   stay in the returned archive).
 """
 
 from __future__ import annotations
