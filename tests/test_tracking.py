@@ -741,3 +741,25 @@ def test_the_mlflow_docs_system_metrics_interval_is_mlflows_default_we_keep():
     assert "sampling_interval" not in inspect.getsource(tracking)
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/mlflow.md").read_text(encoding="utf-8").split())
     assert f"sampled every {default:g} s (`MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` changes it)" in text
+
+
+@pytest.mark.slow
+def test_a_damaged_partition_file_is_one_line_naming_it_before_any_run_is_made(store, capsys):
+    """RunLogger.start read the partition file by hand (json.loads(...)["clients"]), after it had made the run: a
+    truncated file ended the train stage in a JSONDecodeError traceback and left a RUNNING run behind. It is now read
+    by the partition reader first: one line naming the file, and no run in the store."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.results.tracking import RunLogger
+
+    partition = store / "seed0.json"
+    partition.write_text('{"clients": {"Academic": {"train": [1, 2], ')  # cut off mid-write
+
+    def start(argv):
+        RunLogger.start("s", "a", {"x": 1}, {"experiment": "a"}, partition=partition)
+
+    assert run_cli(start, []) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    names(line, "error: ", str(partition))
+    assert "Traceback" not in line
+    study = _client().get_experiment_by_name("s")
+    assert study is None or not _client().search_runs([study.experiment_id])

@@ -22,6 +22,7 @@ import psutil
 
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, flatten, repo_root
+from pipeline.training.client_data import read_partition
 
 PARENT_TAG = "mlflow.parentRunId"  # what nests a client's run under its experiment's run in the UI
 MODEL_TAG = "fedmeet.model_id"  # a client run's LoggedModel
@@ -241,6 +242,7 @@ class RunLogger:
         from mlflow.entities import DatasetInput, InputTag, Param  # lazy: mlflow, as above
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # lazy, as above
 
+        listed = read_partition(partition)["clients"] if partition is not None else {}  # a bad file: before any run
         client, exp_id, resumed = _client(), experiment_id(study), False
         resume_run_id = run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None
         with contextlib.suppress(Exception):  # no run to resume, or it is gone (store or run deleted): a new one
@@ -256,7 +258,6 @@ class RunLogger:
             logger = cls(client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags()).info.run_id)
             # (a plan's longest value, its client list, is far below MLflow's 6000 characters)
             client.log_batch(logger.run_id, params=[Param(k, str(v)) for k, v in sorted(flatten(params).items())])
-        listed = json.loads(Path(partition).read_text())["clients"] if partition is not None else {}
         for name, splits in ({c: {} for c in clients} | listed).items():
             logger.train_sizes[name] = len(splits.get("train", []))
             logger.datasets[name] = {
