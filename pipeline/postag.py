@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, group, load_params
+from pipeline.common.config import ConfigError, from_dict, group, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.modeling.target_tags import PostagConfig, write_target_tags
@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> None:
         # the group's model keys (its cache keys are planning's to check)
         model = {k: v for k, v in group(params, "model", str(args.params)).items() if k in MODEL_RESULT_KEYS}
         max_target_length = from_dict(ModelConfig, model, f"{args.params} model").max_target_length
-        write_target_tags(cfg, args.examples, args.backbone, args.out, args.report, max_target_length)
+        try:
+            write_target_tags(cfg, args.examples, args.backbone, args.out, args.report, max_target_length)
+        except ConfigError as e:  # a postag value the data or the machine refuses: the line names its params file
+            raise ConfigError(f"{args.params} {e}") from None
 
 
 if __name__ == "__main__":

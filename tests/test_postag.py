@@ -178,14 +178,15 @@ def test_stage_cli_on_tiny_backbone(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("postag_params", "message"),
     [
-        ({"datasets": ["qmsun"]}, "error: postag.datasets: ['qmsun'] not in "),
+        ({"datasets": ["qmsun"]}, "error: params.yaml postag.datasets: ['qmsun'] not in "),
         (
             {"spacy_model": "xx_no_such_model"},
-            "error: postag.spacy_model='xx_no_such_model': spaCy model not installed",
+            "error: params.yaml postag.spacy_model='xx_no_such_model': spaCy model not installed",
         ),
     ],
 )
 def test_a_bad_postag_value_is_one_error_line_not_a_traceback(tmp_path, monkeypatch, capsys, postag_params, message):
+    """One line naming the params file (it did not: only postag.<key>), the key and the problem."""
     monkeypatch.chdir(tmp_path)
     backbone = save_tiny("bert2bert", tmp_path / "backbone")
     pd.DataFrame({"example_id": ["q0"], "dataset": ["qmsum"], "target": [SENTENCE]}).to_parquet("examples.parquet")
