@@ -219,7 +219,7 @@ class RunLogger:
         self.datasets: dict[str, dict[str, Any]] = {}  # the clients' splits as MLflow datasets, by client and split
         self.train_sizes: dict[str, int] = {}
         self.exp_id = self._client.get_run(run_id).info.experiment_id
-        children = find_runs(self.exp_id, f"tags.`{PARENT_TAG}` = '{run_id}'")
+        children = self._client.search_runs([self.exp_id], f"tags.`{PARENT_TAG}` = '{run_id}'")
         self.children = {r.data.tags["client"]: r.info.run_id for r in children if "client" in r.data.tags}
         # each client's LoggedModel (its best adapter; the newest when a resumed run logged it again)
         self.models = {r.data.tags["client"]: r.data.tags[MODEL_TAG] for r in children if MODEL_TAG in r.data.tags}
@@ -280,7 +280,7 @@ class RunLogger:
                 )
         if tags.get("experiment"):
             running = f"tags.experiment = '{tags['experiment']}' and attributes.status = 'RUNNING'"
-            for run in find_runs(exp_id, running):
+            for run in client.search_runs([exp_id], running):
                 if run.info.run_id != logger.run_id and not owner_alive(run.data.tags):
                     end_if_running(
                         run.info.run_id, "marked KILLED at the next start of the experiment: its process was gone"
