@@ -42,16 +42,10 @@ def run_tags(plan: Plan) -> dict[str, str]:
     return tags | git_state() | dvc_tags()
 
 
-def run_experiment(
-    plan_path: str | Path,
-    *,
-    track: bool = True,
-    settings: RunSettings | None = None,
-    barrier: RoundBarrier | None = None,
-) -> dict[str, Any]:
+def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSettings | None = None) -> dict[str, Any]:
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics.
-    ``settings``: how to run it (:func:`main` passes the params file's; None: RunSettings' defaults); ``barrier``:
-    the round barrier of the set it trains in (:func:`run_set`), where its clients' work executes."""
+    ``settings``: how to run it (:func:`main` passes the params file's; None: RunSettings' defaults). In a set
+    (:func:`run_set`), its clients' work executes at the set's round barrier."""
     plan = read_plan(plan_path)
     privacy.check_run(plan)  # a delta or target no client can meet: one line, exit 2, before anything trains
     settings = settings if settings is not None else RunSettings()
@@ -84,9 +78,9 @@ def run_experiment(
     recorder = TrainRecorder(logger)
     try:
         if plan.spec.federated:
-            history = run_federated(str(plan_path), settings, recorder, barrier)["history"]
+            history = run_federated(str(plan_path), settings, recorder)["history"]
         else:
-            history = run_serverless(plan, recorder, settings.cache, barrier)["history"]
+            history = run_serverless(plan, recorder, settings.cache)["history"]
         merge_gate_logs(plan)
         metrics = record_run(plan, history, recorder.round_seconds)
         if logger is not None:
@@ -117,11 +111,10 @@ def run_set(
     own thread and round loop, their clients' work at one round barrier, each computing what it would alone in a
     fresh process; returns their metrics by experiment."""
     names = [Path(p).stem for p in plan_paths]
-    barrier = RoundBarrier()
     with stage_timer(stage_name("train", names), experiments=names):
-        return barrier.run(
+        return RoundBarrier().run(
             {
-                n: partial(run_experiment, p, track=track, settings=(settings or {}).get(n), barrier=barrier)
+                n: partial(run_experiment, p, track=track, settings=(settings or {}).get(n))
                 for n, p in zip(names, plan_paths)
             }
         )

@@ -18,7 +18,7 @@ def test_the_clock_leaves_every_delivery_of_a_round_in_one_stacked_call():
 
     def run(name):
         def target():
-            return barrier.park(lambda msg: set_engine.batched(msg, train), [name])
+            return set_engine.park(lambda msg: set_engine.batched(msg, train), [name])
 
         return target
 

@@ -20,7 +20,7 @@ from pipeline.federation.protocol import load_plan
 from pipeline.federation.server_app import run_server
 from pipeline.training.client_data import client_names
 from pipeline.training.history import Recorder
-from pipeline.training.set_engine import RoundBarrier
+from pipeline.training.set_engine import park
 
 
 class InProcessGrid(Grid):
@@ -29,8 +29,8 @@ class InProcessGrid(Grid):
     SuperNode does; messages are copied both ways (client and server share no object a change could reach, see
     :func:`_copy`); a ClientApp's exception becomes the deployed ClientApp's reply (errors_stay_on_the_client)."""
 
-    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], barrier: RoundBarrier | None = None):
-        self.client_app, self.barrier, self._run = client_app, barrier, Run.create_empty(1)
+    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]]):
+        self.client_app, self._run = client_app, Run.create_empty(1)
         self.contexts = {
             node: Context(run_id=1, node_id=node, node_config=dict(config), state=RecordDict(), run_config={})
             for node, config in enumerate(node_configs, start=1000)
@@ -62,9 +62,7 @@ class InProcessGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         messages = [self._pending.pop(mid) for mid in message_ids]
-        if self.barrier is None:
-            return [self.deliver(m) for m in messages]
-        return self.barrier.park(self.deliver, messages)
+        return park(self.deliver, messages)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self.pull_messages(list(self.push_messages(messages)))
@@ -84,13 +82,11 @@ def _set_server_identity(run_id: int) -> None:
     TaskIdentity.node_id = SUPERLINK_NODE_ID
 
 
-def run_federated(
-    plan_path: str, settings: RunSettings, recorder: Recorder | None = None, barrier: RoundBarrier | None = None
-) -> dict:
-    """Run the experiment's ServerApp and ClientApps in this process (its clients at ``barrier``, the round barrier
-    of its set, if given); returns {arrays, history}."""
+def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
+    """Run the experiment's ServerApp and ClientApps in this process (in a set, its clients at the set's round
+    barrier: set_engine.park); returns {arrays, history}."""
     plan = load_plan(plan_path)
-    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in client_names(plan)], barrier)
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in client_names(plan)])
     _set_server_identity(grid.run.run_id)
     arrays, history = run_server(
         grid, plan_path, recorder, settings.round_timeout_s, settings.admission_timeout_s, settings.cache

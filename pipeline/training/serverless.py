@@ -17,7 +17,7 @@ from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, client_names
 from pipeline.training.history import RoundLog, TrainRecorder, history_row
-from pipeline.training.set_engine import RoundBarrier
+from pipeline.training.set_engine import park
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 from pipeline.training.stopping import should_stop
 
@@ -32,13 +32,11 @@ def round_window(n_rows: int, window: int, rnd: int, seed: int) -> np.ndarray:
     return order[((rnd - 1) * window + np.arange(min(window, n_rows))) % n_rows]
 
 
-def run_serverless(
-    plan: Plan, recorder: TrainRecorder, cache_settings: CacheConfig, barrier: RoundBarrier | None = None
-) -> dict[str, Any]:
+def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheConfig) -> dict[str, Any]:
     """The federated methods' trainer and round structure without a server: every round each client's validation
     loss picks its best adapter, and the round is checkpointed (``checkpoint/local.pt``, resumed by a rerun).
-    ``cache_settings``: RunSettings.cache, from the stage entry point; ``barrier``: the round barrier of the set the
-    run trains in, where its units' training and its clients' validations execute with the other runs' clients."""
+    ``cache_settings``: RunSettings.cache, from the stage entry point. In a set, its units' training and its clients'
+    validations execute at the set's round barrier with the other runs' clients (set_engine.park)."""
     names = client_names(plan)
     datas = {n: client_data(plan, n) for n in names}
     model = shared_model(plan)
@@ -63,8 +61,6 @@ def run_serverless(
         adapters = {u: initial_adapter_state(plan) for u in units}  # a copy each
         progress = {n: checkpoints.initial_progress() for n in names}
     recorder.started(plan, names, start)
-    # each unit's training and each client's validation: at the set's barrier (stacked with the other runs'), or here
-    at_barrier = barrier.park if barrier is not None else lambda work, items: [work(item) for item in items]
 
     for rnd in range(start, plan.train.rounds + 1):
         if should_stop(history, plan.train.stop):  # train.stop: converged (checked first: a resumed run too)
@@ -86,10 +82,10 @@ def run_serverless(
             return local_training.validation_loss(model, plan, datas[n].valid, cache=cache)
 
         trained: dict[str, dict[str, Any]] = {}
-        for unit, (state, metrics) in zip(units, at_barrier(train, list(units))):
+        for unit, (state, metrics) in zip(units, park(train, list(units))):
             adapters[unit], trained[unit] = state, metrics
         rows = []
-        for n, (val, val_tokens) in zip(names, at_barrier(validate, names)):
+        for n, (val, val_tokens) in zip(names, park(validate, names)):
             unit = unit_of[n]
             progress[n] = checkpoints.keep_best_and_final(
                 checkpoints.client_output_dir(plan, n), plan, n, rnd, val, adapters[unit], progress[n]

@@ -3,7 +3,7 @@ and a round barrier where their clients' work executes (docs/ARCHITECTURE.md, "T
 
 One thread runs at a time, handed a baton in the set's order, so no two runs ever touch process-wide state (the
 model's adapters, Flower's task identity) at once. A run's thread runs its server code until it needs its clients
-(its grid's :meth:`RoundBarrier.park`), or until it ends; when every run still training has parked, the barrier
+(its grid's :func:`park`), or until it ends; when every run still training has parked, the barrier
 executes all their client work (:meth:`RoundBarrier.execute`), hands each run its replies and goes round again; a
 run that has ended (its stop rule, its last round) leaves the barrier. Each client message is delivered in a thread
 of its own (the same baton): its local training waits in :func:`batched` until every delivery of the round has
@@ -120,16 +120,11 @@ _LOCAL = threading.local()  # the member whose thread this is
 
 
 class RoundBarrier:
-    """The round barrier of a set: :meth:`run` trains its runs, each a callable whose grid parks here."""
+    """The round barrier of a set: :meth:`run` trains its runs, each a callable whose client work parks here."""
 
     def __init__(self):
         self.members: list[_Member] = []
         self.deliveries: list[_Member] = []  # this round's client messages, while they are delivered
-
-    def park(self, deliver: Callable[[Any], Any], messages: list) -> list:
-        """Called by a run's grid in its thread: wait at the barrier until ``messages`` have been delivered; their
-        replies in order."""
-        return _LOCAL.member.pause(Work(deliver, list(messages))).replies
 
     def execute(self, parked: list[_Member]) -> None:
         """Every parked run's client messages, each in its own thread, in the set's order and each run's with its
@@ -201,6 +196,15 @@ class RoundBarrier:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(member.thread.ident), ctypes.py_object(type(exc)))
             member.paused.wait()
             raise
+
+
+def park(deliver: Callable[[Any], Any], messages: list) -> list:
+    """``deliver`` of each of ``messages``, their replies in order: called by a run of a set (in its thread), at the
+    barrier with the other runs' client work; elsewhere (a run alone), here, one after the other."""
+    member = getattr(_LOCAL, "member", None)
+    if member is None or member.delivery:
+        return [deliver(m) for m in messages]
+    return member.pause(Work(deliver, list(messages))).replies
 
 
 def batched(job: Any, run: Callable[[list], list]) -> Any:
