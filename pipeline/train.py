@@ -28,10 +28,9 @@ from pipeline.federation.engines import run_federated
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.results.tracking import RunLogger, delete_run, dvc_tags, git_state, run_name
-from pipeline.training import checkpoints
+from pipeline.training import checkpoints, set_engine
 from pipeline.training.history import ROUND_METRIC, TrainRecorder, log_missing_rounds
 from pipeline.training.serverless import run_serverless
-from pipeline.training.set_engine import RoundBarrier
 from pipeline.training.summary import log_run_outputs, merge_gate_logs, prepare_outputs, record_run, run_identity_tags
 
 
@@ -112,7 +111,7 @@ def run_set(
     fresh process; returns their metrics by experiment."""
     names = [Path(p).stem for p in plan_paths]
     with stage_timer(stage_name("train", names), experiments=names):
-        return RoundBarrier().run(
+        return set_engine.run(
             {
                 n: partial(run_experiment, p, track=track, settings=(settings or {}).get(n))
                 for n, p in zip(names, plan_paths)

@@ -14,8 +14,6 @@ def test_the_clock_leaves_every_delivery_of_a_round_in_one_stacked_call():
         calls.append(list(jobs))
         return [job.upper() for job in jobs]
 
-    barrier = set_engine.RoundBarrier()
-
     def run(name):
         def target():
             return set_engine.park(lambda msg: set_engine.batched(msg, train), [name])
@@ -25,7 +23,7 @@ def test_the_clock_leaves_every_delivery_of_a_round_in_one_stacked_call():
     clock = _Clock()
     undo = clock.install()
     try:
-        results = barrier.run({name: run(name) for name in ("a", "b", "c")})
+        results = set_engine.run({name: run(name) for name in ("a", "b", "c")})
     finally:
         undo()
     assert calls == [["a", "b", "c"]]

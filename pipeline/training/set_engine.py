@@ -4,7 +4,7 @@ and a round barrier where their clients' work executes (docs/ARCHITECTURE.md, "T
 One thread runs at a time, handed a baton in the set's order, so no two runs ever touch process-wide state (the
 model's adapters, Flower's task identity) at once. A run's thread runs its server code until it needs its clients
 (its grid's :func:`park`), or until it ends; when every run still training has parked, the barrier
-executes all their client work (:meth:`RoundBarrier.execute`), hands each run its replies and goes round again; a
+executes all their client work (:func:`_execute`), hands each run its replies and goes round again; a
 run that has ended (its stop rule, its last round) leaves the barrier. Each client message is delivered in a thread
 of its own (the same baton): its local training waits in :func:`batched` until every delivery of the round has
 reached its own or ended, and then all of them train in one call (pipeline.training.local_batch). Each run keeps
@@ -119,83 +119,78 @@ class _Member:
 _LOCAL = threading.local()  # the member whose thread this is
 
 
-class RoundBarrier:
-    """The round barrier of a set: :meth:`run` trains its runs, each a callable whose client work parks here."""
+def run(targets: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run ``targets`` (name -> a callable training one run) as a set, each from this process's generators as they are
+    now, their client work at the set's round barrier (:func:`park`); their results by name."""
+    start = rng_state()
+    members = [_Member(name, target, start) for name, target in targets.items()]
+    deliveries: list[_Member] = []  # this round's client messages, while they are delivered
+    for member in members:
+        member.thread.start()
+    try:
+        while active := [m for m in members if not m.done]:
+            for member in active:
+                _step(member)
+            if failed := [m for m in members if m.error is not None and not isinstance(m.error, SetAborted)]:
+                raise failed[0].error
+            _execute([m for m in members if not m.done], deliveries)
+    finally:  # unwind every run still parked (its thread raises SetAborted at its barrier and closes what it opened)
+        for member in deliveries + members:
+            if not member.done and member.paused.is_set():
+                member.aborted = True
+                member.step()
+        for member in deliveries + members:
+            if member.done:
+                member.thread.join()
+    return {m.name: m.result for m in members}
 
-    def __init__(self):
-        self.members: list[_Member] = []
-        self.deliveries: list[_Member] = []  # this round's client messages, while they are delivered
 
-    def execute(self, parked: list[_Member]) -> None:
-        """Every parked run's client messages, each in its own thread, in the set's order and each run's with its
-        generators: a message's local training waits (:func:`batched`) until all have reached theirs or ended; they
-        train in one call, and the deliveries end in the same order (those of one run see its generators as one
-        after the other would: a delivery starts from where the one before it paused)."""
-        deliveries = {
-            member: [
-                _Member(f"{member.name}-client", partial(member.work.deliver, m), None, delivery=True)
-                for m in member.work.messages
-            ]
-            for member in parked
-        }
-        self.deliveries = [d for ds in deliveries.values() for d in ds]
-        for member, ds in deliveries.items():
-            for d in ds:
-                d.rng = member.rng
-                d.thread.start()
-                self._step(d)
-                member.rng = d.rng
-        while waiting := [d for d in self.deliveries if not d.done]:
-            for run in dict.fromkeys(d.work.run for d in waiting):  # e.g. training, validation
-                same = [d for d in waiting if d.work.run is run]
-                for d, result in zip(same, run([d.work.job for d in same])):
-                    d.work.result = result
-            for d in waiting:
-                self._step(d)
-        for member, ds in deliveries.items():
-            for d in ds:
-                d.thread.join()
-                if d.error is not None:
-                    raise d.error
-            member.work.replies = [d.result for d in ds]
-            member.rng = ds[-1].rng if ds else member.rng
-        self.deliveries = []
+def _execute(parked: list[_Member], deliveries: list[_Member]) -> None:
+    """Every parked run's client messages, each in its own thread (``deliveries`` while they are delivered), in the
+    set's order and each run's with its generators: a message's local training waits (:func:`batched`) until all have
+    reached theirs or ended; they train in one call, and the deliveries end in the same order (those of one run see
+    its generators as one after the other would: a delivery starts from where the one before it paused)."""
+    by_run = {
+        member: [
+            _Member(f"{member.name}-client", partial(member.work.deliver, m), None, delivery=True)
+            for m in member.work.messages
+        ]
+        for member in parked
+    }
+    deliveries[:] = [d for ds in by_run.values() for d in ds]
+    for member, ds in by_run.items():
+        for d in ds:
+            d.rng = member.rng
+            d.thread.start()
+            _step(d)
+            member.rng = d.rng
+    while waiting := [d for d in deliveries if not d.done]:
+        for call in dict.fromkeys(d.work.run for d in waiting):  # e.g. training, validation
+            same = [d for d in waiting if d.work.run is call]
+            for d, result in zip(same, call([d.work.job for d in same])):
+                d.work.result = result
+        for d in waiting:
+            _step(d)
+    for member, ds in by_run.items():
+        for d in ds:
+            d.thread.join()
+            if d.error is not None:
+                raise d.error
+        member.work.replies = [d.result for d in ds]
+        member.rng = ds[-1].rng if ds else member.rng
+    deliveries.clear()
 
-    def run(self, targets: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-        """Run ``targets`` (name -> a callable training one run) as a set, each from this process's generators as they
-        are now; their results by name."""
-        start = rng_state()
-        self.members = [_Member(name, target, start) for name, target in targets.items()]
-        for member in self.members:
-            member.thread.start()
-        try:
-            while active := [m for m in self.members if not m.done]:
-                for member in active:
-                    self._step(member)
-                if failed := [m for m in self.members if m.error is not None and not isinstance(m.error, SetAborted)]:
-                    raise failed[0].error
-                self.execute([m for m in self.members if not m.done])
-        finally:  # unwind every run still parked (its thread raises SetAborted at its barrier and closes what it opened)
-            for member in self.deliveries + self.members:
-                if not member.done and member.paused.is_set():
-                    member.aborted = True
-                    member.step()
-            for member in self.deliveries + self.members:
-                if member.done:
-                    member.thread.join()
-        return {m.name: m.result for m in self.members}
 
-    @staticmethod
-    def _step(member: _Member) -> None:
-        """The member's turn. The process told to stop meanwhile (SIGTERM's SystemExit, Ctrl-C: raised in this, the
-        main thread) stops the member too: the same exception is raised in its thread, where the run unwinds as
-        killed (its MLflow run closed), before it goes on here."""
-        try:
-            member.step()
-        except BaseException as exc:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(member.thread.ident), ctypes.py_object(type(exc)))
-            member.paused.wait()
-            raise
+def _step(member: _Member) -> None:
+    """The member's turn. The process told to stop meanwhile (SIGTERM's SystemExit, Ctrl-C: raised in this, the main
+    thread) stops the member too: the same exception is raised in its thread, where the run unwinds as killed (its
+    MLflow run closed), before it goes on here."""
+    try:
+        member.step()
+    except BaseException as exc:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(member.thread.ident), ctypes.py_object(type(exc)))
+        member.paused.wait()
+        raise
 
 
 def park(deliver: Callable[[Any], Any], messages: list) -> list:
