@@ -3,7 +3,7 @@ and a round barrier where their clients' work executes (docs/ARCHITECTURE.md, "T
 
 One thread runs at a time, handed a baton in the set's order, so no two runs ever touch process-wide state (the
 model's adapters, Flower's task identity) at once. A run's thread runs its server code until it needs its clients
-(its grid's :func:`park`), or until it ends; when every run still training has parked, the barrier
+(:func:`park`), or until it ends; when every run still training has parked, the barrier
 executes all their client work (:func:`_execute`), hands each run its replies and goes round again; a
 run that has ended (its stop rule, its last round) leaves the barrier. Each client message is delivered in a thread
 of its own (the same baton): its local training waits in :func:`batched` until every delivery of the round has
