@@ -161,7 +161,7 @@ def _run_federation(path: str):
 
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": path} for n in client_names(load_plan(path))])
     _set_server_identity(grid.run.run_id)
-    _, history = run_server(grid, path, cache=RunSettings().cache)
+    _, history = run_server(grid, path, cache=RunSettings().cache, ckpt=None)
     return grid, history
 
 
@@ -252,7 +252,7 @@ def test_a_node_restarted_with_its_node_id_serving_another_plan_trains_and_evalu
             academic.node_config["plan"] = path_b  # restarted between rounds 1 and 2, the same node id
 
     seen = _stub_training(monkeypatch)
-    _, history = run_server(grid, path_a, Restart(), cache=RunSettings().cache)
+    _, history = run_server(grid, path_a, Restart(), cache=RunSettings().cache, ckpt=None)
     assert ("Academic", 1) in seen and ("Academic", 2) not in seen
     row = next(r for r in history if (r["round"], r["client"]) == (2, "Academic"))
     assert row["failed"] == 1 and "val_loss" not in row
@@ -282,7 +282,7 @@ def test_a_node_restarted_with_its_node_id_as_another_client_trains_and_evaluate
 
     _stub_training(monkeypatch)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        _, history = run_server(grid, path, Restart(), cache=RunSettings().cache)
+        _, history = run_server(grid, path, Restart(), cache=RunSettings().cache, ckpt=None)
     row = next(r for r in history if (r["round"], r["client"]) == (2, "Academic"))
     why = f"node {node} answers as client 'Committee', admitted as 'Academic'"
     assert (row["failed"], row["error"], row["eval_failed"]) == (1, why, 1) and "val_loss" not in row

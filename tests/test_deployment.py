@@ -357,7 +357,7 @@ def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
             stranger.popen.wait(timeout=90)
             del fed.supernodes["Stranger"]
             run = fed.stream(fed.submit())
-            found = RUN_ID.search(run.output)
+            found = RUN_ID.search(run.stdout)
             status = ("no run id", "")
             if found:  # the SuperLink's word on the run
                 out = flwr(
@@ -386,7 +386,7 @@ def test_local_deployment_gives_the_in_process_result(ws, secure_local_run):
     from pipeline.train import run_experiment
 
     run = secure_local_run.run
-    assert run.returncode == 0 and secure_local_run.status[0] == "finished:completed", run.output[-2000:]
+    assert run.returncode == 0 and secure_local_run.status[0] == "finished:completed", run.stdout[-2000:]
     _no_process_left(secure_local_run.before, secure_local_run.started)
 
     run_experiment(write_plan("loc-ref", "fedselectkd", partition=_pair_partition()), track=False)
@@ -441,7 +441,7 @@ def test_tls_and_supernode_authentication(ws, secure_local_run):
     assert r.keys == {"Academic", "Committee"}
     assert r.stranger.popen.returncode != 0 and "SuperNode ID:" not in r.stranger.log.read_text()
     assert "Attempted to register SuperNode" in r.superlink_log.read_text()  # refused by the SuperLink
-    assert r.run.returncode == 0, r.run.output[-2000:]
+    assert r.run.returncode == 0, r.run.stdout[-2000:]
     assert f'root-certificates = "{r.certs.ca.resolve()}"' in (r.home / "config.toml").read_text()
     _no_process_left(r.before, r.started)
     assert {c: v["rounds_trained"] for c, v in r.metrics["clients"].items()} == {"Academic": 2, "Committee": 2}
@@ -733,7 +733,7 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
     _set_server_identity(grid.run.run_id)
     from pipeline.experiments.settings import RunSettings
 
-    _, history = run_server(grid, plan, cache=RunSettings().cache)
+    _, history = run_server(grid, plan, cache=RunSettings().cache, ckpt=None)
     rows = {(r["round"], r["client"]): r for r in history}
     assert sorted(rows) == [(r, c) for r in (1, 2, 3) for c in ("Academic", "Committee", "Product")]
     gone = rows[(2, "Committee")]
@@ -795,7 +795,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
         run = fed.stream(fed.submit())
         watcher.join(timeout=60)
         started = list(fed.procs.procs)
-    assert run.returncode == 0, run.output[-2000:]
+    assert run.returncode == 0, run.stdout[-2000:]
     assert events[1:] == ["killed"]
     _no_process_left(before, started)
 

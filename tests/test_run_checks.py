@@ -305,8 +305,8 @@ def test_the_stream_echoes_and_returns_only_this_runs_output(tmp_path, capsys):
         streamed = fed.stream(run)
     finally:
         group.stop_all()
-    assert streamed.output == "Zoë\nSuccessfully started run 2\n" == capsys.readouterr().out
-    assert streamed.returncode == 0 and RUN_ID.search(streamed.output).group(1) == "2"
+    assert streamed.stdout == "Zoë\nSuccessfully started run 2\n" == capsys.readouterr().out
+    assert streamed.returncode == 0 and RUN_ID.search(streamed.stdout).group(1) == "2"
 
 
 def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, monkeypatch, capsys):
@@ -315,7 +315,7 @@ def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, 
     import os
     import time
 
-    from pipeline.federation.localhost import LocalhostFederation, LocalhostRun
+    from pipeline.federation.localhost import LocalhostFederation
     from pipeline.federation.protocol import load_plan
     from pipeline.paths import PATHS
     from tests.test_federated import write_plan
@@ -341,7 +341,7 @@ def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, 
         )
         evaluated.write_text(json.dumps({"mean": mean}))
         os.utime(evaluated, (since - age, since - age))
-        return LocalhostRun(0, fed.home, ""), fed.check_outputs(since)
+        return fed.procs.log_dir, fed.check_outputs(since)
 
     monkeypatch.setattr(cli, "run_localhost", lambda cfg: run(cfg, age=-1.0))
     assert run_cli(cli.main, ["local", "--plan", path]) == 0

@@ -287,12 +287,14 @@ class Recorder:
 def run(
     plan_path: str, script: Script, clients: list[str] | None = None, grid: Grid | None = None, timeout: float = 5.0
 ):
-    from pipeline.federation.server_app import run_server
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import load_server_checkpoint, run_server
 
     clients = clients or ["Academic", "Committee", "Product"]
     grid = grid or Grid(plan_path, script, clients)
     recorder = Recorder(grid)
-    arrays, history = run_server(grid, plan_path, recorder, round_timeout_s=timeout)
+    ckpt = load_server_checkpoint(load_plan(plan_path))  # a killed run's: resumed
+    arrays, history = run_server(grid, plan_path, recorder, round_timeout_s=timeout, ckpt=ckpt)
     return {k: torch.as_tensor(a.numpy()) for k, a in arrays.items()}, history, recorder
 
 
@@ -484,7 +486,7 @@ def test_every_wait_on_the_clients_is_bounded_by_the_round_timeout(ws):
 
     path = write_plan("loop-timeouts-default", "fedavg", rounds=1, fraction_train=1.0)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
-    run_server(grid, path, Recorder(grid))
+    run_server(grid, path, Recorder(grid), ckpt=None)
     default = RunSettings().round_timeout_s
     assert default <= 3600 and grid.timeouts and all(t == default for _, t in grid.timeouts), grid.timeouts
 
@@ -2023,7 +2025,7 @@ def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
     clients = ["Academic", "Committee", "Product", "SAMSum"]
     grid = Grid(path, Script(), clients)
     with pytest.raises(ValueError) as err:
-        run_server(grid, path, Recorder(grid), round_timeout_s=4.5)
+        run_server(grid, path, Recorder(grid), round_timeout_s=4.5, ckpt=None)
     names(err.value, "loop-secure-few", "privacy.secure_aggregation", "train.fraction_train 0.5")
 
 
@@ -2138,7 +2140,7 @@ def test_a_node_naming_an_unknown_client_is_refused_and_the_missing_client_fails
     grid = Grid(path, script, ["Academic", "Committee", "Prodcut"])
     recorder = Recorder(grid)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"), pytest.raises(AdmissionError) as err:
-        run_server(grid, path, recorder, round_timeout_s=60, admission_timeout_s=0.5)
+        run_server(grid, path, recorder, round_timeout_s=60, admission_timeout_s=0.5, ckpt=None)
     assert "['Product']" in str(err.value) and str(err.value).startswith(path)
     refusals = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(refusals) == 1 and "'Prodcut'" in refusals[0].getMessage() and path in refusals[0].getMessage()
@@ -2185,7 +2187,7 @@ def test_a_client_without_valid_examples_is_refused_at_admission(ws):
     grid = InProcessGrid(client_app, [{"client-name": c, "plan": path} for c in ("Academic", "Committee", "Product")])
     _set_server_identity(grid.run.run_id)
     with pytest.raises(AdmissionError) as err:
-        run_server(grid, path, Recorder(), round_timeout_s=30)
+        run_server(grid, path, Recorder(), round_timeout_s=30, ckpt=None)
     assert "'Committee'" in str(err.value) and "valid" in str(err.value)
 
 

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
-        run, metrics = run_localhost(cfg)
+        logs, metrics = run_localhost(cfg)
     except KeyboardInterrupt:
         print("interrupted: every process this command started was stopped", file=sys.stderr)
         return 130
@@ -152,5 +152,5 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"experiment": metrics.get("experiment", Path(plan).stem), "clients": clients}
     # the client-average ROUGE of the federated evaluation, as the ServerApp wrote it (reports/eval/<exp>/)
     rouge = {"rouge": metrics["rouge"]} if "rouge" in metrics else {}
-    print(json.dumps(summary | rouge | {"logs": str(run.home / "logs")}))
+    print(json.dumps(summary | rouge | {"logs": str(logs)}))
     return 0

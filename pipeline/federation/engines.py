@@ -17,7 +17,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from pipeline.experiments.settings import RunSettings
 from pipeline.federation.client_app import client_app, errors_stay_on_the_client
 from pipeline.federation.protocol import load_plan
-from pipeline.federation.server_app import run_server
+from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.training.client_data import client_names
 from pipeline.training.history import Recorder
 from pipeline.training.set_engine import park
@@ -88,7 +88,8 @@ def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | No
     plan = load_plan(plan_path)
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in client_names(plan)])
     _set_server_identity(grid.run.run_id)
+    ckpt = load_server_checkpoint(plan)  # where the run resumes (None: round 1)
     arrays, history = run_server(
-        grid, plan_path, recorder, settings.round_timeout_s, settings.admission_timeout_s, settings.cache
+        grid, plan_path, recorder, settings.round_timeout_s, settings.admission_timeout_s, settings.cache, ckpt=ckpt
     )
     return {"arrays": arrays, "history": history}

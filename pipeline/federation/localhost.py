@@ -119,13 +119,6 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
     return 0 if status == "finished:completed" else 1
 
 
-@dataclass
-class LocalhostRun:
-    returncode: int
-    home: Path
-    output: str
-
-
 def write_config_toml(path: Path, values: dict[str, str | int | float | bool]) -> str:
     """A run config or node config file as Flower reads one (``flwr run --run-config F.toml``, ``flower-supernode
     --node-config F.toml``: any value comes back as given); JSON's strings, numbers and booleans are TOML's too."""
@@ -238,8 +231,9 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         argv = ["flwr", "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
         return self.procs.start("flwr-run", argv, self.workdir)
 
-    def stream(self, run: Process) -> LocalhostRun:
-        """Echo the run's output (its log) until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
+    def stream(self, run: Process) -> subprocess.CompletedProcess:
+        """Echo the run's output (its log) until it ends, the SuperLink dies or ``run_timeout_s`` passes; returns its
+        status and output (``stdout``: this run's lines of its log, its stderr among them)."""
         deadline = time.monotonic() + self.cfg.run_timeout_s
         echo = codecs.getincrementaldecoder("utf-8")("replace")  # a character may be cut between two reads
         shown: list[str] = []  # the run's output: its log since it started, as echoed
@@ -262,7 +256,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
                         f"(--run-timeout); {self._resume_hint()}"
                     )
                 time.sleep(0.2)
-        return LocalhostRun(run.popen.returncode, self.home, "".join(shown))
+        return subprocess.CompletedProcess(run.popen.args, run.popen.returncode, "".join(shown))
 
     def failed(self, what: str) -> FederationError:
         """The error of a run that ended with ``what``: where its logs are and where a rerun starts."""
@@ -293,9 +287,9 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         return json.loads(metrics.read_text()) | ({"rouge": json.loads(evaluated.read_text())["mean"]} if fresh else {})
 
 
-def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
-    """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise (also when the
-    ServerApp failed: ``flwr run`` exits 0 for that too)."""
+def run_localhost(cfg: LocalhostConfig) -> tuple[Path, dict]:
+    """Start, run, stop: returns the folder of the processes' logs and the run's train metrics; raises
+    FederationError otherwise (also when the ServerApp failed: ``flwr run`` exits 0 for that too)."""
     fed = LocalhostFederation(cfg)
     try:
         with fed:
@@ -304,7 +298,7 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             run = fed.stream(fed.submit())
             if run.returncode != 0:
                 raise fed.failed(f"`flwr run` exited with status {run.returncode}")
-            found = RUN_ID.search(run.output)
+            found = RUN_ID.search(run.stdout)
             if found is None:
                 raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
             # what the SuperLink says of the run
@@ -313,7 +307,7 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             if status != "finished:completed":
                 cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
                 raise fed.failed(f"run {found.group(1)} {status}: {cause}")
-            return run, fed.check_outputs(started)
+            return fed.procs.log_dir, fed.check_outputs(started)
     except BaseException as exc:  # every process is stopped by now (LocalhostFederation.__exit__)
         try:
             # the ServerApp was killed before it could end its MLflow run: marked KILLED (a rerun resumes it)

@@ -7,7 +7,6 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -87,12 +86,13 @@ def run_server(
     round_timeout_s: float = RunSettings.round_timeout_s,
     admission_timeout_s: float | None = None,
     cache: CacheConfig | None = None,
-    ckpt: dict[str, Any] | None | EllipsisType = ...,
+    *,
+    ckpt: dict[str, Any] | None,
 ) -> tuple[ArrayRecord, list]:
     """The federated training loop of the experiment ``plan_path`` plans (the ServerApp's main).
     ``admission_timeout_s`` defaults to the round timeout; ``cache``, the clients' cache settings, goes with every
-    message (the engines'; a deployed client has its own: protocol.client_cache_config); ``ckpt``: the server
-    checkpoint (load_server_checkpoint's) where the caller has read it already, else (``...``) it is read here."""
+    message (the engines'; a deployed client has its own: protocol.client_cache_config); ``ckpt``: the caller's
+    load_server_checkpoint, which the run resumes from (None: it starts over, each client told so at admission)."""
     plan = load_plan(plan_path)
     recorder = recorder or Recorder()
     spec, t = plan.spec, plan.train
@@ -101,7 +101,6 @@ def run_server(
     # the clients the plan declares (a deployed server holds no partition file), else (an older plan) the partition's
     declared = list(plan.clients) if plan.clients else client_names(plan)
     sizes: dict[str, dict[str, int]] = {}
-    ckpt = load_server_checkpoint(plan) if ckpt is ... else ckpt  # None: starts over, each client told at admission
     # the run's node -> client map, current each round (connected_nodes); a deployed evaluation asks these nodes only
     node_names = recorder.nodes = identify_clients(
         grid, plan_path, declared, admission_timeout_s or round_timeout_s, sizes, start_over=ckpt is None
