@@ -7,10 +7,8 @@ What it computes and how: pipeline.results.analysis.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, load_params
+from pipeline.common import cli
 from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
 from pipeline.planning import declared
@@ -19,12 +17,11 @@ from pipeline.results.analysis import Analysis, AnalyzeConfig
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=Path, default=Path("params.yaml"))
+    cli.add_params(ap)
     args = ap.parse_args(argv)
     with stage_timer("analyze"):  # wall time, peak RSS -> reports/timing/
-        params = load_params(args.params)
-        cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
-        result = Analysis(cfg, declared(params, str(args.params)), PATHS, str(args.params)).run()
+        params, cfg = cli.read_params(args.params, analyze=AnalyzeConfig)
+        result = Analysis(cfg, declared(params, args.params), PATHS, args.params).run()
         for client, rec in result["clients"].items():
             p, r = rec["paper_kd_usage_ratio"], rec["kd_usage_ratio"]  # r null: no word update in rounds 1..best
             paper_text = f" (paper {100 * p:.0f} %)" if p is not None else ""
@@ -37,4 +34,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    raise SystemExit(cli.run(main))

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pipeline.common.cli import run as run_cli
+from pipeline.common import cli
 from pipeline.common.config import ConfigError, from_dict, group, load_params
 from pipeline.common.schema import SHARED_MEETINGS
 from pipeline.common.timing import stage_timer
@@ -52,7 +52,7 @@ def load_config(params: dict[str, Any], file: str = "params.yaml") -> tuple[Back
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", default="params.yaml")
+    cli.add_params(ap)
     ap.add_argument("--name", help="override backbone.name")
     ap.add_argument("--out", type=Path, default=PATHS.backbone)
     ap.add_argument("--report", type=Path, default=PATHS.backbone_report)
@@ -72,4 +72,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    raise SystemExit(cli.run(main))

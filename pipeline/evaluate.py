@@ -13,8 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, load_params
+from pipeline.common import cli
 from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
@@ -30,14 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="evaluate one experiment (the DVC stage)")
     run.add_argument("--experiment", required=True, help="key of params.yaml `experiments`")
-    run.add_argument("--params", default="params.yaml")
+    cli.add_params(run)
     run.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     score = sub.add_parser("score", help="ROUGE of line-aligned prediction/reference files, printed as JSON")
     score.add_argument("--pred", required=True, help="predictions, one summary per line")
     score.add_argument("--ref", required=True, help="references, one summary per line")
     logged = sub.add_parser("model", help="score a client's adapter logged in MLflow on its client's test subsample")
     logged.add_argument("model", help="the LoggedModel's id (m-...) or models:/<id>")
-    logged.add_argument("--params", default="params.yaml")
+    cli.add_params(logged)
     imp = sub.add_parser("import-eval", help="log evaluation records (metrics.json) into the MLflow store")
     imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
     imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
@@ -62,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(score_files(args.pred, args.ref), indent=2, sort_keys=True))
         return 0
 
-    params = load_params(args.params)
-    cfg = from_dict(EvaluateConfig, params.get("evaluate"), f"{args.params} evaluate")
-    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), f"{args.params} bootstrap")
+    _, cfg, bootstrap = cli.read_params(args.params, evaluate=EvaluateConfig, bootstrap=BootstrapConfig)
     if args.command == "model":
         with tempfile.TemporaryDirectory() as tmp:
             tags = download_model(args.model, Path(tmp))
@@ -85,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli.run(main))

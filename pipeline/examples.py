@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline.common import atomic
-from pipeline.common.cli import run as run_cli
-from pipeline.common.config import ConfigError, from_dict, group, load_params
+from pipeline.common import atomic, cli
+from pipeline.common.config import ConfigError, group
 from pipeline.common.timing import stage_timer
 from pipeline.datasets.examples import ExamplesConfig, build_examples, stats_markdown, table_ii
 from pipeline.paths import PATHS
@@ -22,14 +21,13 @@ from pipeline.paths import PATHS
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", default="params.yaml")
+    cli.add_params(ap)
     ap.add_argument("--interim-dir", default=str(PATHS.interim_dir))
     ap.add_argument("--report-dir", default=str(PATHS.data_reports))
     ap.add_argument("--out", default=str(PATHS.examples))
     args = ap.parse_args(argv)
     with stage_timer("examples"):  # wall time, peak RSS -> reports/timing/
-        params = load_params(args.params)
-        cfg = from_dict(ExamplesConfig, params.get("examples"), f"{args.params} examples")
+        params, cfg = cli.read_params(args.params, examples=ExamplesConfig)
         # The names only (the ingest stage checked them against the readers): reading them through
         # pipeline.datasets.sources would put every reader module into this stage's deps, and the backbone's.
         datasets = group(params, "ingest", args.params).get("datasets")
@@ -49,4 +47,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    raise SystemExit(cli.run(main))

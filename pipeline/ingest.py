@@ -14,9 +14,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from pipeline.common import atomic
-from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, load_params
+from pipeline.common import atomic, cli
 from pipeline.common.schema import DataError, IngestReport, canonical_arrow_schema
 from pipeline.common.timing import stage_timer
 from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
@@ -45,12 +43,12 @@ def write_outputs(frame: pd.DataFrame, report: IngestReport, interim_dir: Path, 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", required=True, choices=tuple(DATASETS))
-    ap.add_argument("--params", default="params.yaml")
+    cli.add_params(ap)
     ap.add_argument("--interim-dir", default=str(PATHS.interim_dir))
     ap.add_argument("--report-dir", default=str(PATHS.data_reports))
     args = ap.parse_args(argv)
     with stage_timer(f"ingest-{args.dataset}"):  # wall time, peak RSS -> reports/timing/
-        cfg = from_dict(IngestConfig, load_params(args.params).get("ingest"), "ingest")
+        _, cfg = cli.read_params(args.params, ingest=IngestConfig)
         if args.dataset not in cfg.datasets:
             raise DataError(f"dataset {args.dataset!r} is not in ingest.datasets {cfg.datasets}")
         directory = resolve_source(args.dataset, cfg)
@@ -63,4 +61,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    raise SystemExit(cli.run(main))

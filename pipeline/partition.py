@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline.common import atomic
-from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, load_params
+from pipeline.common import atomic, cli
 from pipeline.common.timing import stage_timer
 from pipeline.partitioning import partitions
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig
@@ -26,13 +24,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", required=True, choices=sorted(SCHEMES))
     ap.add_argument("--seed", required=True, type=int)
-    ap.add_argument("--params", default="params.yaml")
+    cli.add_params(ap)
     ap.add_argument("--examples", default=str(PATHS.examples))
     ap.add_argument("--out-dir", default=str(PATHS.partitions))
     ap.add_argument("--report-dir", default=str(PATHS.partition_reports))
     args = ap.parse_args(argv)
     with stage_timer(f"partition-{args.scheme}-seed{args.seed}"):  # wall time, peak RSS -> reports/timing/
-        cfg = from_dict(PartitionConfig, load_params(args.params).get("partition"), f"{args.params} partition")
+        _, cfg = cli.read_params(args.params, partition=PartitionConfig)
         examples = pd.read_parquet(args.examples, columns=partitions.EXAMPLE_COLUMNS_USED)
         part = partitions.make_partition(examples, args.scheme, args.seed, cfg)
         out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"
@@ -46,4 +44,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    raise SystemExit(cli.run(main))

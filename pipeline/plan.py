@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.common.cli import run as run_cli
+from pipeline.common import cli
 from pipeline.common.config import load_params
 from pipeline.paths import PATHS
 from pipeline.planning import check_params, write_plans
@@ -18,7 +18,7 @@ from pipeline.privacy.accounting import check_client_plans
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--params", default="params.yaml")
+    cli.add_params(ap)
     ap.add_argument("--out", default=str(PATHS.plans))
     args = ap.parse_args(argv)
     plans = check_params(load_params(args.params), args.params)
@@ -28,4 +28,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    raise SystemExit(cli.run(main))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.common.cli import run as run_cli
-from pipeline.common.config import ConfigError, from_dict, group, load_params
+from pipeline.common import cli
+from pipeline.common.config import ConfigError, from_dict, group
 from pipeline.common.timing import stage_timer
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.modeling.target_tags import PostagConfig, write_target_tags
@@ -25,13 +25,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backbone", type=Path, default=PATHS.backbone)
     ap.add_argument("--out", type=Path, default=PATHS.postags)
     ap.add_argument("--report", type=Path, default=PATHS.data_reports / "postag.json")
-    ap.add_argument("--params", type=Path, default=Path("params.yaml"))
+    cli.add_params(ap)
     args = ap.parse_args(argv)
     with stage_timer("postag"):  # wall time, peak RSS -> reports/timing/
-        params = load_params(args.params)
-        cfg = from_dict(PostagConfig, params.get("postag"), f"{args.params} postag")
+        params, cfg = cli.read_params(args.params, postag=PostagConfig)
         # the group's model keys (its cache keys are planning's to check)
-        model = {k: v for k, v in group(params, "model", str(args.params)).items() if k in MODEL_RESULT_KEYS}
+        model = {k: v for k, v in group(params, "model", args.params).items() if k in MODEL_RESULT_KEYS}
         max_target_length = from_dict(ModelConfig, model, f"{args.params} model").max_target_length
         try:
             write_target_tags(cfg, args.examples, args.backbone, args.out, args.report, max_target_length)
@@ -40,4 +39,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    raise SystemExit(cli.run(main))

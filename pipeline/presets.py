@@ -25,8 +25,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.common import atomic
-from pipeline.common.cli import run as run_cli
+from pipeline.common import atomic, cli
 from pipeline.common.config import ConfigError, flatten, load_params
 
 # Groups a preset replaces as a whole instead of merging into (see module docstring).
@@ -218,7 +217,7 @@ def export_experiment(name: str, dest: str | Path, paths: list[str]) -> list[str
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", default="params.yaml", help="the params.yaml presets are checked against")
+    cli.add_params(ap, "the params.yaml presets are checked against")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("show", help="validate and print the flattened overrides").add_argument("preset")
     sub.add_parser("check", help="validate one or more presets").add_argument("presets", nargs="+")
@@ -266,4 +265,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli.run(main))

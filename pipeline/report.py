@@ -11,8 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.common import atomic
-from pipeline.common.cli import run as run_cli
+from pipeline.common import atomic, cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
@@ -69,7 +68,7 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.split("\n")[0])
-    parser.add_argument("--params", default="params.yaml")
+    cli.add_params(parser)
     sub = parser.add_subparsers(dest="command")
     human = sub.add_parser("human", help="score filled human-evaluation sheets (the report stage writes them blank)")
     human.add_argument(
@@ -122,4 +121,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli.run(main))

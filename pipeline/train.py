@@ -19,8 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pipeline.common import atomic
-from pipeline.common.cli import run as run_cli
+from pipeline.common import atomic, cli
 from pipeline.common.timing import stage_name, stage_timer
 from pipeline.experiments.plans import Plan, read_plan, record_hash
 from pipeline.experiments.settings import RunSettings, load_run_settings
@@ -129,11 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--plans", default=str(PATHS.plans), help="directory of the plan files (stage `plan`)")
     ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-    ap.add_argument(
-        "--params",
-        default="params.yaml",
-        help="params file of the run-time settings (round timeout, cache location and budgets)",
-    )
+    cli.add_params(ap, "params file of the run-time settings (round timeout, cache location and budgets)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C, so the MLflow run is closed as KILLED at once
@@ -154,4 +149,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli(main))
+    raise SystemExit(cli.run(main))

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.modeling import losses
 from pipeline.modeling.losses import KDConfig, LossOutput, distillation_loss
 
 
@@ -209,7 +210,7 @@ def _reference_loss(student, teacher, labels, cfg, hard_mask=None):
         (0.5, "student_to_teacher", "tokens"),
     ],
 )
-def test_fused_loss_equals_plain_autograd(mode, temperature, direction, normalisation):
+def test_fused_loss_equals_plain_autograd(mode, temperature, direction, normalisation, monkeypatch):
     """Loss, gradient w.r.t. the student logits, entropy and gate of the chunked, hand-differentiated loss equal
     plain autograd on random logits with padding, for [B, T, V] and packed [N, V] inputs and any chunk size."""
     g = torch.Generator().manual_seed(11)
@@ -238,7 +239,8 @@ def test_fused_loss_equals_plain_autograd(mode, temperature, direction, normalis
     for packed, chunk in ((False, 128), (False, 2), (True, 5)):
         leaf = student.clone().requires_grad_(True)
         inputs = (leaf[valid], teacher[valid]) if packed else (leaf, teacher)
-        out = distillation_loss(*inputs, labels, cfg, hard_mask=hard if mode == "hard" else None, chunk_rows=chunk)
+        monkeypatch.setattr(losses, "CHUNK_ROWS_HOST", chunk)  # the rows a chunk takes on a CPU
+        out = distillation_loss(*inputs, labels, cfg, hard_mask=hard if mode == "hard" else None)
         (out.loss * 0.5).backward()  # a scaled loss (gradient accumulation) scales the gradient
         assert out.loss.item() == pytest.approx(ref_loss.item(), abs=1e-5)
         torch.testing.assert_close(leaf.grad, 0.5 * ref_in.grad, atol=1e-6, rtol=1e-5)
@@ -462,14 +464,13 @@ def test_portable_tau_above_one_is_rejected():
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 2, 4, 128])
-def test_batch_quantile_threshold_is_the_quantile_of_all_token_entropies(chunk_rows):
+def test_batch_quantile_threshold_is_the_quantile_of_all_token_entropies(chunk_rows, monkeypatch):
     """Whatever the chunking, the threshold is the tau-quantile of H(q_g) over every real token (9 tokens, V = 3)."""
     g = torch.Generator().manual_seed(5)
     teacher = torch.randn(1, 9, 3, generator=g) * torch.linspace(0.1, 4.0, 9).view(1, 9, 1)
     labels = torch.zeros(1, 9, dtype=torch.long)
-    out = distillation_loss(
-        teacher.clone(), teacher, labels, KDConfig(tau=0.3, tau_scale="batch_quantile"), chunk_rows=chunk_rows
-    )
+    monkeypatch.setattr(losses, "CHUNK_ROWS_HOST", chunk_rows)
+    out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.3, tau_scale="batch_quantile"))
     expected = torch.quantile(token_entropy(teacher)[0].double(), 0.3).item()
     assert float(out.threshold) == pytest.approx(expected, abs=1e-6)
     assert n_kd(out) == int((token_entropy(teacher) < expected).sum()) == 3  # 30 % of 9 tokens lie below
@@ -517,7 +518,7 @@ def _runs(g: torch.Generator, v: int = 40):
 
 
 @pytest.mark.parametrize("chunk", [128, 3])
-def test_several_runs_in_one_call_give_each_run_what_it_gives_alone_to_the_bit(chunk):
+def test_several_runs_in_one_call_give_each_run_what_it_gives_alone_to_the_bit(chunk, monkeypatch):
     """distillation_losses (the stacked trainer's one call a micro-batch) on seven runs of every kind: each run's
     loss, per-token CE and KL, gate, entropy, threshold and gradient (its loss weighted as in a step) are exactly
     those of distillation_loss on that run alone."""
@@ -528,14 +529,15 @@ def test_several_runs_in_one_call_give_each_run_what_it_gives_alone_to_the_bit(c
     starts = [sum(counts[:r]) for r in range(len(counts) + 1)]
     weights = [0.5 + r for r in range(len(cfgs))]
     taught = starts[6]  # the last run has no teacher
-    loss, outs = distillation_losses(student, teacher[:taught], labels, cfgs, hard, chunk_rows=chunk)
+    monkeypatch.setattr(losses, "CHUNK_ROWS_HOST", chunk)
+    loss, outs = distillation_losses(student, teacher[:taught], labels, cfgs, hard)
     (loss * torch.tensor(weights)).sum().backward()
     assert torch.equal(loss, torch.stack([out.loss for out in outs]))
     assert n_kd(outs[0]) > 0 and n_kd(outs[1]) > 0 and n_kd(outs[4]) > 0 and n_kd(outs[5]) == 0
     for r, (out, cfg) in enumerate(zip(outs, cfgs)):
         s, e = starts[r], starts[r + 1]
         leaf = student.detach()[s:e].clone().requires_grad_(True)
-        alone = distillation_loss(leaf, teacher[s:e] if r < 6 else None, labels[r], cfg, hard[r], chunk_rows=chunk)
+        alone = distillation_loss(leaf, teacher[s:e] if r < 6 else None, labels[r], cfg, hard[r])
         (alone.loss * weights[r]).backward()
         assert torch.equal(out.loss, alone.loss), r
         for name in ("ce_rows", "kl_rows", "gate_rows", "entropy", "gate"):

@@ -485,6 +485,15 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
         ("backbone", [], "ingest", [5], r"ingest: expected a mapping of keys, got list \[5\]"),
         ("backbone", [], "examples", [5], r"examples: expected a mapping of keys, got list \[5\]"),
         ("postag", [], "model", [5], r"model: expected a mapping of keys, got list \[5\]"),
+        # the ingest and analyze stages' own groups: their lines named the group only (`ingest: ...`), not the file
+        (
+            "ingest",
+            ["--dataset", "qmsum", "--params", "study/params.yaml"],
+            "ingest.bogus",
+            1,
+            r"ingest: unknown key\(s\) \['bogus'\]",
+        ),
+        ("analyze", [], "analyze.word_rule", "x", r"analyze.word_rule='x' is out of range"),
         # the partition stage's group (a scheme and seed are its own arguments)
         (
             "partition",

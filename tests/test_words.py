@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tiny_models import _bart_tokenizer, _bert_tokenizer
 
-from pipeline.modeling.target_tags import whitespace_words, word_index_from_offsets
+from pipeline.modeling.target_tags import word_index_from_offsets
 
 TEXT = "The project manager decides to use LCD.\nHe isn't  sure, ok?"
 # Whitespace words of TEXT, by hand.
@@ -12,7 +12,7 @@ WORDS = ["The", "project", "manager", "decides", "to", "use", "LCD.", "He", "isn
 
 
 def test_whitespace_words():
-    words, spans = whitespace_words(TEXT)
+    _, words, spans = word_index_from_offsets(TEXT, [], [])
     assert words == WORDS
     assert spans[6] == (35, 39) and spans[7] == (40, 42)
 

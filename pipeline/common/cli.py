@@ -4,6 +4,7 @@ and exit status 2, as argparse does for a bad command line (docs/data.md, Reliab
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import gc
 import os
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.common.config import ConfigError
+from pipeline.common.config import ConfigError, from_dict, load_params
 from pipeline.common.schema import DataError
 
 EXIT_USAGE = 2
@@ -51,3 +52,15 @@ def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:
         print(f"error: {text}", file=sys.stderr)
         return EXIT_USAGE
     return int(status or 0)
+
+
+def add_params(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """A stage's ``--params``: the params file it reads (a study's or a site's, not always ./params.yaml)."""
+    parser.add_argument("--params", default="params.yaml", help=help)
+
+
+def read_params(file: str, /, **groups: type) -> tuple[Any, ...]:
+    """The params of ``file`` (``--params``), then the config of each of ``groups`` (group name: config class); a bad
+    value is one line naming the file and the key: ``<file> <group>.<key>``."""
+    params = load_params(file)
+    return params, *(from_dict(cls, params.get(name), f"{file} {name}") for name, cls in groups.items())

@@ -18,20 +18,13 @@ class NounVerbMasks:
 
     def __init__(self, table: pd.DataFrame, source: str = "data/processed/postags.parquet") -> None:
         self.source = source
-        self._mask: dict[str, np.ndarray] = {}
-        self._ids: dict[str, np.ndarray] = {}
+        self._tags: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # example id -> (its mask, its label token ids)
         table = table.sort_values(["example_id", "position"], kind="stable")
         for eid, g in table.groupby("example_id", sort=False):
             pos = g["position"].to_numpy()
             if not np.array_equal(pos, np.arange(len(pos))):
                 raise DataError(f"{source}: example {eid}: positions are not 0..{len(pos) - 1}")
-            self._mask[str(eid)] = g["is_noun_or_verb"].to_numpy(dtype=bool)
-            self._ids[str(eid)] = g["token_id"].to_numpy(dtype=np.int64)
-
-    def __getitem__(self, example_id: str) -> np.ndarray:
-        if example_id not in self._mask:
-            raise DataError(f"{self.source}: example {example_id} has no POS tags (postag.datasets excludes it?)")
-        return self._mask[example_id]
+            self._tags[str(eid)] = (g["is_noun_or_verb"].to_numpy(dtype=bool), g["token_id"].to_numpy(dtype=np.int64))
 
     def batch(self, example_ids: Sequence[str], labels) -> np.ndarray:
         """[B, T] bool mask for a batch's ``labels`` ([B, T] token ids, padded with the negative ignore index of
@@ -40,9 +33,11 @@ class NounVerbMasks:
         labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels)
         out = np.zeros(labels.shape, dtype=bool)
         for b, eid in enumerate(example_ids):
-            mask = self[eid]  # raises for an unknown example
+            if eid not in self._tags:
+                raise DataError(f"{self.source}: example {eid} has no POS tags (postag.datasets excludes it?)")
+            mask, ids = self._tags[eid]
             n = int((labels[b] >= 0).sum())  # token ids are never negative; the padding is
-            if not np.array_equal(labels[b, :n], self._ids[eid]):  # False for another length too
+            if not np.array_equal(labels[b, :n], ids):  # False for another length too
                 raise DataError(
                     f"{self.source}: example {eid}: tagged token ids differ from the training labels "
                     f"(tagged {len(mask)} tokens, batch {n}); re-run the postag stage"

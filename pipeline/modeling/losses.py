@@ -179,15 +179,14 @@ def distillation_loss(
     labels: torch.Tensor,
     cfg: KDConfig,
     hard_mask: torch.Tensor | None = None,
-    chunk_rows: int | None = None,
 ) -> LossOutput:
     """The batch loss of the module docstring and per-token (entropy, gate) [B, T]. The logits are [B, T, V]
-    (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in float32, ``chunk_rows`` at a time
-    (default :func:`chunk_rows_for`; rows are independent: the chunking changes no result)."""
+    (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in float32, :func:`chunk_rows_for`
+    rows at a time (rows are independent: the chunking changes no result)."""
     valid = labels != IGNORE_INDEX
     z_l = _pack(logits_local, valid, "logits_local")
     z_g = _pack(logits_global.detach(), valid, "logits_global") if logits_global is not None else None
-    return distillation_losses(z_l, z_g, [labels], [cfg], [hard_mask], chunk_rows)[1][0]
+    return distillation_losses(z_l, z_g, [labels], [cfg], [hard_mask])[1][0]
 
 
 def distillation_losses(
@@ -196,7 +195,6 @@ def distillation_losses(
     labels: list[torch.Tensor],
     cfgs: list[KDConfig],
     hard_masks: list[torch.Tensor | None],
-    chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, list[LossOutput]]:
     """:func:`distillation_loss` of R runs at once, each run's output what it gives alone, to the bit
     (tests/test_losses.py). ``z_l``: the runs' packed student rows, run-major; ``z_g``: the packed teacher rows of
@@ -218,13 +216,13 @@ def distillation_losses(
     kernels = {(cfg.kd_temperature, cfg.kd_direction, cfg.entropy_log_base) for cfg in cfgs[:runs_taught]}
     if len(kernels) > 1:  # one kernel takes one temperature, direction and log base: each run alone
         alone = [
-            distillation_losses(z_l[s:e], z_g[s:e] if s < taught else None, [y], [c], [h], chunk_rows)[1][0]
+            distillation_losses(z_l[s:e], z_g[s:e] if s < taught else None, [y], [c], [h])[1][0]
             for y, c, h, s, e in zip(labels, cfgs, hard_masks, starts, starts[1:])
         ]
         return torch.stack([out.loss for out in alone]), alone
     t, direction, log_base = next(iter(kernels), (1.0, "teacher_to_student", "e"))
     dev, n = z_l.device, starts[-1]
-    chunk_rows = chunk_rows or chunk_rows_for(z_l)
+    chunk_rows = chunk_rows_for(z_l)
     z_g = z_g.to(dev) if z_g is not None else None
     # w_t: the token's weight in its run's mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b)); made on the host
     row_weight = torch.cat([_row_weights(v, c, cfg) for v, c, cfg in zip(valids, counts, cfgs)]).to(

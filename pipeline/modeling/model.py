@@ -151,9 +151,7 @@ class AdapterSummarizer(nn.Module):
         """The adapters' mode; the backbone stays in eval mode (frozen: no dropout, so the shared prefix is
         deterministic and cacheable), set once rather than walked on every call."""
         self.training = mode
-        for child in self.children():
-            if child is not self.backbone:
-                child.train(mode)
+        self.adapter_sets.train(mode)  # the only child besides the backbone
         if self.backbone.training:
             self.backbone.eval()
         return self

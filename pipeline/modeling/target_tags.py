@@ -47,12 +47,6 @@ class PostagConfig:
 _WORD = re.compile(r"\S+")
 
 
-def whitespace_words(text: str) -> tuple[list[str], list[tuple[int, int]]]:
-    """The whitespace-delimited words of ``text`` and their character spans."""
-    matches = list(_WORD.finditer(text))
-    return [m.group() for m in matches], [m.span() for m in matches]
-
-
 def char_to_word(text: str, spans: Sequence[tuple[int, int]]) -> np.ndarray:
     """Array over characters: the index of the word containing each character, -1 for whitespace."""
     owner = np.full(len(text), -1, dtype=np.int64)
@@ -69,7 +63,8 @@ def word_index_from_offsets(
     the tokens in ``text``; ``special[i]`` marks special tokens. A zero-width token (BPE ``Ġ`` whose space was trimmed
     from its span) belongs to the word starting right at its position, if any: it encodes the space in front of that
     word."""
-    words, spans = whitespace_words(text)
+    spans = [m.span() for m in _WORD.finditer(text)]  # the whitespace-delimited words
+    words = [text[start:end] for start, end in spans]
     owner = char_to_word(text, spans)
     index: list[int | None] = []
     for (start, end), is_special in zip(offsets, special):

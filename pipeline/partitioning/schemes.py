@@ -20,7 +20,7 @@ MAX_DIRICHLET_REDRAWS = 1000
 
 
 @config
-class IidConfig:
+class IidConfig:  # the base of every scheme config that numbers its clients (scheme_client_names)
     n_clients: PositiveInt = 3
 
 
@@ -37,15 +37,13 @@ class LongMeetingConfig:
 
 
 @config
-class QuantityConfig:
-    n_clients: PositiveInt = 3
+class QuantityConfig(IidConfig):
     beta: Positive = 0.5  # Dirichlet concentrations
     min_per_split: NonNegativeInt = 1
 
 
 @config
-class DomainDirichletConfig:
-    n_clients: PositiveInt = 3
+class DomainDirichletConfig(IidConfig):
     alpha: Positive = 1.0
 
 
@@ -82,8 +80,8 @@ def scheme_client_names(scheme: str, cfg: PartitionConfig) -> list[str]:
     """The clients a scheme's partition holds, in its order, from the config alone (no data): the plan declares
     them, so a deployed server knows whom to admit without any client's data (tests check each scheme's
     partition has exactly these)."""
-    if scheme in ("iid", "quantity", "cluster", "domain_dirichlet"):  # each config group has its n_clients
-        return numbered_clients(getattr(cfg, scheme).n_clients)
+    if isinstance(group := getattr(cfg, scheme, None), IidConfig):  # its n_clients
+        return numbered_clients(group.n_clients)
     return {
         "domain": list(QMSUM_DOMAINS),
         "noniid_balanced": list(QMSUM_DOMAINS),
