@@ -122,14 +122,13 @@ def verdict(rows: list, subject: str, gain: str = "helps") -> str:
     same words 'before Holm's adjustment only' by the signs of the tested ones whose unadjusted interval excludes 0
     (the intervals printed beside it), else 'does not measurably help'; 'not tested' when every one has fewer seeds
     than a claim needs (numbers only)."""
-    holm_up, holm_down = (any(r.significant and sign * r.mean_diff > 0 for r in rows) for sign in (1, -1))
-    if holm_up or holm_down:
-        return f"{subject} {' and '.join([gain] * holm_up + ['hurts'] * holm_down)}"
     tested = [r for r in rows if not r.few_seeds]
-    interval_up, interval_down = any(r.ci_low > 0 for r in tested), any(r.ci_high < 0 for r in tested)
-    unadjusted = " and ".join([gain] * interval_up + ["hurts"] * interval_down)
-    absent = "not tested" if not tested else "does not measurably help"
-    return f"{subject} {unadjusted} before Holm's adjustment only" if unadjusted else f"{subject} {absent}"
+    holm = [any(r.significant and sign * r.mean_diff > 0 for r in rows) for sign in (1, -1)]
+    unadjusted = [any(r.ci_low > 0 for r in tested), any(r.ci_high < 0 for r in tested)]
+    for (up, down), after in ((holm, ""), (unadjusted, " before Holm's adjustment only")):
+        if up or down:
+            return f"{subject} {' and '.join([gain] * up + ['hurts'] * down)}{after}"
+    return f"{subject} {'does not measurably help' if tested else 'not tested'}"
 
 
 def backbone_note(backbone: dict | None, kd: dict | None) -> str:

@@ -20,7 +20,7 @@ from pipeline.common.schema import DataError
 from pipeline.results import published
 from pipeline.results.readers import read_predictions
 from pipeline.results.scoring import SCORE_KEYS, TABLE_METRICS
-from pipeline.results.stats import BootstrapConfig, holm, meetings, nested_interval, paired_difference
+from pipeline.results.stats import BootstrapConfig, holm, meetings, nested_interval
 
 AVERAGE = "client average"
 # The paper's methods (Table III) as comparison baselines, in the order that orients each pair (A − B, B earlier):
@@ -90,11 +90,6 @@ def client_rows(frame: pd.DataFrame, client: str, ids: list[str]) -> pd.DataFram
     return frame[frame["client"] == client].set_index("example_id").loc[ids]
 
 
-def stacked(rows: Iterable[pd.DataFrame], column: str) -> np.ndarray:
-    """``column`` of one client's :func:`client_rows`, one row per frame (seed): [n_seeds, n_examples]."""
-    return np.stack([f[column].to_numpy(dtype=float) for f in rows])
-
-
 def _predictions(path: Path) -> dict[tuple[str, str], str]:
     """(client, example id) -> the summary generated, from an evaluation's predictions.jsonl ({} without one)."""
     rows = read_predictions(path, ("client", "example_id", "prediction")) if path.is_file() else []
@@ -103,9 +98,9 @@ def _predictions(path: Path) -> dict[tuple[str, str], str]:
 
 def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: list[str] | None = None) -> list[tuple]:
     """Rows (:data:`COLUMNS`) for A - B: per client and on the client average, per metric; [] when they share no
-    seed or example. Seeds with the same test examples (a fixed test split) are crossed (:func:`paired_difference`);
-    seeds with their own (a partition re-divided per seed) nested, each seed's full test sets
-    (:func:`nested_interval`), a client some seeds lack noted in ``notes`` and the client average then left out."""
+    seed or example. Seeds with the same test examples (a fixed test split) are crossed, seeds with their own (a
+    partition re-divided per seed) nested, each seed's full test sets (:func:`nested_interval`), a client some seeds
+    lack noted in ``notes`` and the client average then left out."""
     seeds_a, seeds_b = dict(a.runs), dict(b.runs)
     frames = {}
     for s in sorted(set(seeds_a) & set(seeds_b)):
@@ -142,17 +137,11 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
         clusters = [meetings(ids[s][c] for c in scope_clients) for s in had]  # QMSum: a meeting's queries one cluster
         n_examples = len({i for s in had for c in scope_clients for i in ids[s][c]})  # distinct: a redrawn one once
         for metric in SCORE_KEYS:
-            if nested:
-                d = [
-                    [(rows[s, c][f"{metric}_a"] - rows[s, c][f"{metric}_b"]).to_numpy(float) for c in scope_clients]
-                    for s in had
-                ]
-                r = nested_interval(d, cfg, clusters)
-            else:
-                sides = (
-                    [stacked([rows[s, c] for s in seeds], f"{metric}_{side}") for c in scope_clients] for side in "ab"
-                )
-                r = paired_difference(*sides, cfg, clusters[0])
+            d = [
+                [(rows[s, c][f"{metric}_a"] - rows[s, c][f"{metric}_b"]).to_numpy(float) for c in scope_clients]
+                for s in had
+            ]
+            r = nested_interval(d, cfg, clusters, crossed=not nested)
             # a row in COLUMNS order; p_holm and significant are with_holm's, over the study's family
             pair = (a.study, scope, a.method, b.method, a.label, b.label, b.study, metric)
             interval = (r.estimate, r.low, r.high, r.p_value, math.nan, n_examples, r.n_seeds)

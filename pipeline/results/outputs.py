@@ -22,7 +22,7 @@ from pipeline.paths import ProjectPaths
 from pipeline.results import claims, comparisons, figures, human_eval, tables
 from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
 from pipeline.results.scoring import TABLE_ROUGE_L
-from pipeline.results.stats import BootstrapConfig, mean_interval, meetings, nested_interval
+from pipeline.results.stats import BootstrapConfig, meetings, nested_interval
 from pipeline.results.tables import Made, ReportInputs
 
 
@@ -214,12 +214,12 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
     ids = [comparisons.shared_ids(f) for f in frames]
     if not ids or not ids[0] or any(i.keys() != ids[0].keys() for i in ids):
         return None
-    rows = [[comparisons.client_rows(f, c, e) for c, e in i.items()] for f, i in zip(frames, ids)]  # seed, client
-    if any(i != ids[0] for i in ids):
-        scores = [[client["avg_rouge"].to_numpy(float) for client in seed] for seed in rows]
-        r = nested_interval(scores, cfg, [meetings(i.values()) for i in ids], paired=False)
-    else:  # the same clients and examples every seed: per client, its seeds' rows
-        r = mean_interval([comparisons.stacked(c, "avg_rouge") for c in zip(*rows)], cfg, meetings(ids[0].values()))
+    scores = [  # seed, client
+        [comparisons.client_rows(f, c, e)["avg_rouge"].to_numpy(float) for c, e in i.items()]
+        for f, i in zip(frames, ids)
+    ]
+    clusters = [meetings(i.values()) for i in ids]
+    r = nested_interval(scores, cfg, clusters, paired=False, crossed=all(i == ids[0] for i in ids))
     return r.low, r.high
 
 
