@@ -10,7 +10,8 @@ import pytest
 
 from pipeline.common.schema import DataError
 from pipeline.paths import PATHS, ProjectPaths
-from pipeline.results.evaluation import EvaluateConfig, subsample_test_ids
+from pipeline.results import evaluation
+from pipeline.results.evaluation import EvaluateConfig
 from pipeline.results.experiment_evaluation import evaluate_experiments
 from pipeline.results.scoring import ROUGE_TYPES, Scorer
 from tests.tiny_models import save_tiny
@@ -140,15 +141,20 @@ def test_evaluate_stage_end_to_end(workspace):
 
 def test_subsample_is_seeded_per_client_and_keeps_order():
     ids = [f"e{i}" for i in range(10)]
-    a = subsample_test_ids(ids, "Academic", 4, 0)
-    assert a == subsample_test_ids(ids, "Academic", 4, 0)
+
+    def draw(client: str, k: int | None, seed: int = 0) -> list[str]:
+        cfg = EvaluateConfig(test_examples_per_client=k, subsample_seed=seed)
+        return list(evaluation.test_subsample(pd.DataFrame(index=ids), ids, client, cfg, "here").index)
+
+    a = draw("Academic", 4)
+    assert a == draw("Academic", 4)
     # the draw fixes which examples a recorded score was computed on: random.Random("evaluate:<seed>:<client>")
     # sampling 4 of the sorted ids, listed in partition order, for seed 0 and Academic / Product
-    assert a == ["e3", "e7", "e8", "e9"] and subsample_test_ids(ids, "Product", 4, 0) == ["e2", "e3", "e7", "e9"]
+    assert a == ["e3", "e7", "e8", "e9"] and draw("Product", 4) == ["e2", "e3", "e7", "e9"]
     assert len(a) == 4 and a == [i for i in ids if i in a]
-    assert subsample_test_ids(ids, "Academic", None, 0) == ids
-    assert subsample_test_ids(ids, "Academic", 50, 0) == ids
-    assert any(subsample_test_ids(ids, "Academic", 4, s) != a for s in range(1, 5))
+    assert draw("Academic", None) == ids
+    assert draw("Academic", 50) == ids
+    assert any(draw("Academic", 4, s) != a for s in range(1, 5))
 
 
 def test_missing_adapter_is_a_clear_error(workspace):

@@ -73,22 +73,18 @@ def metrics_record(plan: Any, backbone: str, cfg: EvaluateConfig, per_client: di
     }
 
 
-def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:
-    """At most ``k`` test ids of ``client``, drawn with a seed that depends only on (seed, client), in partition order:
-    every method evaluated on the same partition sees the same examples (paired comparisons, case study, human
-    evaluation). The draw must stay as it is: it fixes which examples a recorded score was computed on."""
-    if k is None or k >= len(test_ids):
-        return list(test_ids)
-    chosen = set(random.Random(f"evaluate:{seed}:{client}").sample(sorted(test_ids), k))
-    return [i for i in test_ids if i in chosen]
-
-
 def test_subsample(examples, test_ids: list[str], client: str, cfg: EvaluateConfig, where: str):
-    """The client's test subsample (rows of ``examples``, indexed by example id); ``where`` names the partition and
-    examples files."""
+    """The client's test subsample (rows of ``examples``, indexed by example id; ``where`` names the partition and
+    examples files): at most `test_examples_per_client` ids, drawn with a seed that depends only on (subsample_seed,
+    client), in partition order: every method evaluated on the same partition sees the same examples (paired
+    comparisons, case study, human evaluation). The draw must stay as it is: it fixes which examples a recorded score
+    was computed on."""
     if missing := [i for i in test_ids if i not in examples.index]:
         raise DataError(f"{where}: client {client!r}: {len(missing)} test ids not in the examples, e.g. {missing[:3]}")
-    return examples.loc[subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)]
+    if (k := cfg.test_examples_per_client) is not None and k < len(test_ids):
+        chosen = set(random.Random(f"evaluate:{cfg.subsample_seed}:{client}").sample(sorted(test_ids), k))
+        test_ids = [i for i in test_ids if i in chosen]
+    return examples.loc[list(test_ids)]
 
 
 # Sources a generate call holds at most (several experiments' adapters stacked). Its memory grows with them x beams:
