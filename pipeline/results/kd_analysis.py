@@ -41,22 +41,16 @@ def word_updates(
         columns={"token_id": "tagged_token_id"}
     )
     merged = per_token.merge(tags, on=["example_id", "position"], how="left", validate="many_to_one")
-    untagged = merged["tagged_token_id"].isna()
-    if untagged.any():
-        row = merged[untagged].iloc[0]
-        raise DataError(
-            f"{source}: {int(untagged.sum())} trained tokens have no POS tag in {tags_source} (e.g. "
-            f"example {row['example_id']} position {row['position']}); re-run the postag stage over these "
-            "examples"
-        )
-    differ = merged["tagged_token_id"].astype(np.int64) != merged["token_id"].astype(np.int64)
-    if differ.any():
-        row = merged[differ].iloc[0]
-        raise DataError(
-            f"{source}: {int(differ.sum())} tokens differ from {tags_source} (e.g. example {row['example_id']} "
-            f"position {row['position']}: trained {row['token_id']}, tagged {row['tagged_token_id']}); the "
-            f"POS tags were made with another tokenizer or max_target_length"
-        )
+    tagged = merged["tagged_token_id"]
+    differ = tagged.fillna(-1).astype(np.int64) != merged["token_id"].astype(np.int64)
+    for problem, bad in {  # in this order (an untagged token differs too); ``r``: the first bad row
+        "trained tokens have no POS tag in {t} (e.g. example {r[example_id]} position {r[position]}); re-run the "
+        "postag stage over these examples": tagged.isna(),
+        "tokens differ from {t} (e.g. example {r[example_id]} position {r[position]}: trained {r[token_id]}, tagged "
+        "{r[tagged_token_id]}); the POS tags were made with another tokenizer or max_target_length": differ,
+    }.items():
+        if bad.any():
+            raise DataError(f"{source}: {int(bad.sum())} " + problem.format(t=tags_source, r=merged[bad].iloc[0]))
     words = merged[merged["word_index"].notna()].sort_values(keys, kind="stable")  # special tokens are no word
     grouped = words.groupby(["client", "round", "example_id", "word_index"], sort=True)
     kd = (
@@ -191,11 +185,10 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
     words = usage["words"]
     for client, s in scores.items():
         u = usage["clients"].get(client)
-        # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
-        w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
-        pos = pos_summary(w) if len(w) else {}
+        # the POS pattern over the rounds up to the client's best one, as in the main-study analysis (NaN: no update)
+        pos = pos_summary(to_best(words[words["client"] == client], u["best_round"] if u else 0))
         point = (run.name, client, tau_nats(run), gate_name(run), run.seed, s["avg_rouge"])
-        rows.append((*point, u["kd_usage_ratio"] if u else math.nan, *(pos.get(k, math.nan) for k in SWEEP_POS)))
+        rows.append((*point, u["kd_usage_ratio"] if u else math.nan, *(pos[k] for k in SWEEP_POS)))
     return rows
 
 
@@ -272,21 +265,21 @@ def plot_entropy(
     save(fig, path)
 
 
-def _finish_client_panels(fig, axes, clients: list[str], empty_message: str, title: str, path: Path) -> None:
-    """Title and save a one-row figure of per-client panels; with no client, say why the figure is empty."""
+def _client_panels(clients: list[str], width: float, height: float, empty_message: str):
+    """A one-row figure and its ``width`` x ``height`` panels, one per client (none: one saying why it is empty)."""
+    fig, axes = plt.subplots(1, max(1, len(clients)), figsize=(width * max(1, len(clients)), height), squeeze=False)
     if not clients:
         axes[0][0].text(0.5, 0.5, empty_message, ha="center", va="center")
         axes[0][0].set_axis_off()
-    fig.suptitle(title)
-    save(fig, path)
+    return fig, axes[0]
 
 
 def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     clients = sorted({c for per in comparison.values() for c in per})
-    fig, axes = plt.subplots(1, max(1, len(clients)), figsize=(4 * max(1, len(clients)), 3.8), squeeze=False)
+    fig, axes = _client_panels(clients, 4, 3.8, "no evaluated SelectKD / hard-KD experiments")
     labels = ["R-1", "R-2", "R-L", "avg"]
     x = np.arange(len(labels))
-    for ax, client in zip(axes[0], clients):
+    for ax, client in zip(axes, clients):
         for j, (method, name) in enumerate(((SELECTKD, "SelectKD"), (HARDKD, "noun-verb hard KD"))):
             rec = comparison[method].get(client)
             if not rec:
@@ -296,15 +289,14 @@ def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) ->
             ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=yerr, label=f"{name} (n={rec['n_seeds']})")
         ax.set(xticks=x, xticklabels=labels, title=client, ylabel="ROUGE F1 x 100")
         ax.legend(fontsize=8)
-    _finish_client_panels(
-        fig, axes, clients, "no evaluated SelectKD / hard-KD experiments", "Noun-verb hard KD vs selective KD", path
-    )
+    fig.suptitle("Noun-verb hard KD vs selective KD")
+    save(fig, path)
 
 
 def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> None:
     clients = sorted(sweep["client"].unique()) if len(sweep) else []
-    fig, axes = plt.subplots(1, max(1, len(clients)), figsize=(4.2 * max(1, len(clients)), 3.6), squeeze=False)
-    for ax, client in zip(axes[0], clients):
+    fig, axes = _client_panels(clients, 4.2, 3.6, "no tau-sweep experiments with results")
+    for ax, client in zip(axes, clients):
         d = sweep[sweep["client"] == client].sort_values("tau")
         ax.plot(d["tau"], d["avg_rouge"], "o-", color="tab:blue", label="avg ROUGE")
         ax.set_ylabel("average ROUGE (R-1, R-2, R-L)", color="tab:blue")
@@ -316,6 +308,5 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
             ax.axvline(tau_main, color="grey", ls=":", lw=1)
         ax.set(xlabel="tau (nats)", title=client)
     dotted = " (dotted: main study)" if tau_main is not None and clients else ""  # what is drawn, only
-    _finish_client_panels(
-        fig, axes, clients, "no tau-sweep experiments with results", f"Entropy threshold tau{dotted}", path
-    )
+    fig.suptitle(f"Entropy threshold tau{dotted}")
+    save(fig, path)
