@@ -251,6 +251,24 @@ def test_a_privacy_report_out_of_range_is_a_malformed_reply(key, value):
         protocol.train_reply_row(MetricRecord(dict(_privacy(**{key: value})) | trained), example)
 
 
+@pytest.mark.parametrize("key, field", [("dp-epsilon", "epsilon"), ("dp-max-grad-norm", "max_grad_norm")])
+def test_only_minus_one_marks_an_unbounded_privacy_report(key, field):
+    """-1 is seam.account's mark of an unbounded epsilon or C and reads as None; another negative (-0.5) is no
+    epsilon or norm at all, so the reply is malformed rather than recorded as unbounded."""
+    from types import SimpleNamespace
+
+    from pipeline.common.config import from_dict
+    from pipeline.experiments.privacy import PrivacyConfig
+    from pipeline.federation import protocol
+
+    example = SimpleNamespace(privacy=from_dict(PrivacyConfig, {"mode": "example", "noise_multiplier": 1.0}, "p"))
+    trained = {"num-examples": 8, "num-trained": 8, "num-steps": 2, "num-tokens": 80, "train-loss": 1.0, "ce": 1.0}
+    trained |= {"kd": 0.0, "kd-fraction": 0.0, "proximal": 0.0}
+    assert protocol.train_reply_row(MetricRecord(dict(_privacy(**{key: -1.0})) | trained), example)[field] is None
+    with pytest.raises(ValueError, match=rf"a negative other than -1 .*'{field}': -0.5"):
+        protocol.train_reply_row(MetricRecord(dict(_privacy(**{key: -0.5})) | trained), example)
+
+
 def test_fp32_never_sends_a_delta_even_when_a_plan_asks_for_one(ws):
     """A hand-written plan with fp32 and train.transfer_delta: fp32 is exact, so no delta is taken (it could only
     add float32 rounding): no downlink reference, the client decodes the global bit for bit."""

@@ -241,6 +241,8 @@ def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
         raise ValueError(f"it reports no training: num-examples {row['weight']}, num-steps {row['n_steps']}")
     if "epsilon" not in row:
         return row
+    if odd := {field: row[field] for field in ("epsilon", "max_grad_norm") if -1 < row[field] < 0}:
+        raise ValueError(f"its DP-SGD report holds a negative other than -1 (the mark of unbounded): {odd}")
     row |= {field: None for field in ("epsilon", "max_grad_norm") if row[field] < 0}
     return row | {"clipped_fraction": row["dp_clipped"] / row["dp_examples"] if row["dp_examples"] else 0.0}
 
