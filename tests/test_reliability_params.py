@@ -519,6 +519,19 @@ def test_a_bad_key_of_a_params_file_elsewhere_is_named_in_that_file(
     assert re.match(rf"error: study/params\.yaml {problem}", outcome.lines[0]), outcome.lines[0]
 
 
+def test_the_federation_names_a_bad_evaluate_key_as_the_stages_do(tmp_path, monkeypatch):
+    """`local --params` and `kit --params` read the evaluate group for the ServerApp's decoding: a bad value is
+    "<file> evaluate.<key>" as in every stage's line, not "<file>: evaluate.<key>"."""
+    from pipeline.common.config import ConfigError
+    from pipeline.federation.localhost import server_run_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "params.yaml").write_text(yaml.safe_dump(edited_params("evaluate.num_beams", 0)))
+    with pytest.raises(ConfigError, match=r"^study/params\.yaml evaluate\.num_beams"):
+        server_run_config("study/params.yaml", "fedavg-domain")
+
+
 def test_the_plan_stage_resolves_each_experiment_once(tmp_path, monkeypatch):
     """The stage checks the privacy of every resolved plan, then writes those same plans: resolving them a second
     time for the writing doubled the stage's work (every extension's source hashed twice)."""

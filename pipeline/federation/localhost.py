@@ -19,8 +19,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.common import atomic
-from pipeline.common.config import from_dict, load_params
+from pipeline.common import atomic, cli
+from pipeline.common.config import from_dict
 from pipeline.experiments.settings import load_run_settings
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
 from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca
@@ -71,7 +71,7 @@ def server_run_config(params_file: str, experiment: str) -> dict[str, str | floa
     """The ServerApp's run-time settings from a params file: round and admission timeouts (with ``experiment``'s
     overrides) and the federated evaluation's decoding (its ``evaluate`` group, as JSON)."""
     settings = load_run_settings(params_file, experiment)  # a missing file is an error, never the defaults
-    decoding = from_dict(EvaluateConfig, load_params(params_file).get("evaluate"), f"{params_file}: evaluate")
+    _, decoding = cli.read_params(params_file, evaluate=EvaluateConfig)  # "<file> evaluate.<key>", as every stage
     return {
         "round-timeout-s": settings.round_timeout_s,
         "admission-timeout-s": settings.admission_timeout_s,
