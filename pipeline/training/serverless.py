@@ -96,5 +96,5 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
         checkpoints.save_round_checkpoint(
             ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress, "history": history}
         )
-        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows), history)
     return history
