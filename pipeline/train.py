@@ -76,9 +76,9 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     recorder = TrainRecorder(logger)
     try:
         if plan.spec.federated:
-            history = run_federated(str(plan_path), settings, recorder)["history"]
+            history = run_federated(str(plan_path), settings, recorder)
         else:
-            history = run_serverless(plan, recorder, settings.cache)["history"]
+            history = run_serverless(plan, recorder, settings.cache)
         merge_gate_logs(plan)
         metrics = record_run(plan, history, recorder.round_seconds)
         if logger is not None:

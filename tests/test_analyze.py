@@ -410,12 +410,12 @@ def test_the_analysis_reads_average_rouge_as_the_tables_do(tmp_path):
     # A record written when R-L was rougeLsum (before b73f235) stores avg_rouge = (R-1 + R-2 + rougeLsum) / 3 =
     # (30 + 10 + 29) / 3 = 23. The tables recompute it from plain rougeL (readers.METRICS): (30 + 10 + 20) / 3 = 20;
     # hard KD vs SelectKD and the tau sweep must read the same 20.
-    from pipeline.results.readers import eval_scores
+    from pipeline.results.readers import read_eval_metrics
 
     path = tmp_path / "metrics.json"
     scores = {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "rougeLsum": 29.0, "avg_rouge": 23.0, "n": 5}
     path.write_text(json.dumps({"clients": {"Product": scores}}))
-    assert eval_scores(path)["Product"] == {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "avg_rouge": 20.0}
+    assert read_eval_metrics(path)[1]["Product"] == {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "avg_rouge": 20.0}
 
 
 def test_a_margin_gate_of_the_sweep_is_not_a_point_on_the_entropy_axis():

@@ -611,7 +611,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
         {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"},
     )
     monkeypatch.setattr(engines, "client_app", unclipped)
-    history = engines.run_federated(path, RunSettings())["history"]
+    history = engines.run_federated(path, RunSettings())
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
     assert not any("update_clipped" in r for r in history)
     privacy = summarize(read_plan(path), history, [])["privacy"]

@@ -465,7 +465,7 @@ def test_the_recorders_log_and_write_each_round(caplog):
     from pipeline.training.history import Recorder, RoundLog, TrainRecorder, round_metrics
 
     plan = _plan("rounds-recorder", rounds=3)
-    entry = RoundLog(2, 1.5, ROWS[:2], True)
+    entry = RoundLog(2, 1.5, ROWS[:2])
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         Recorder().started(plan, ["A", "B"], 2)
         Recorder().round_done(plan, entry, ROWS[:2])
@@ -553,7 +553,7 @@ def test_a_round_without_a_validation_loss_logs_nan_for_that_client(caplog):
 
     plan = _plan("rounds-nan", rounds=2)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        Recorder().round_done(plan, RoundLog(1, 2.0, ROWS, True), ROWS)
+        Recorder().round_done(plan, RoundLog(1, 2.0, ROWS), ROWS)
     logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"], "round 1", "C nan")
 
 
@@ -577,7 +577,7 @@ def test_a_resumed_run_shows_its_progress_from_the_round_it_resumes_at(caplog):
     )
     bar = recorder._bar
     assert (bar.n, bar.total, bar.desc, bar.unit) == (1, 3, "rounds-progress rounds", "round")
-    recorder.round_done(plan, RoundLog(2, 1.5, ROWS, True), ROWS)
+    recorder.round_done(plan, RoundLog(2, 1.5, ROWS), ROWS)
     assert bar.n == 2 and bar.postfix == "val A=3.000 B=5.000"  # C sent no validation loss
     recorder.close()
     assert bar not in tqdm_module.tqdm._instances  # closed, not left on the console

@@ -82,14 +82,13 @@ def _set_server_identity(run_id: int) -> None:
     TaskIdentity.node_id = SUPERLINK_NODE_ID
 
 
-def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
+def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> list[dict[str, Any]]:
     """Run the experiment's ServerApp and ClientApps in this process (in a set, its clients at the set's round
-    barrier: set_engine.park); returns {arrays, history}."""
+    barrier: set_engine.park); returns the history (the global adapter is in the server checkpoint)."""
     plan = load_plan(plan_path)
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in client_names(plan)])
     _set_server_identity(grid.run.run_id)
     ckpt = load_server_checkpoint(plan)  # where the run resumes (None: round 1)
-    arrays, history = run_server(
+    return run_server(
         grid, plan_path, recorder, settings.round_timeout_s, settings.admission_timeout_s, settings.cache, ckpt=ckpt
-    )
-    return {"arrays": arrays, "history": history}
+    )[1]

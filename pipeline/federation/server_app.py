@@ -183,7 +183,7 @@ def run_server(
         round_rows = [rows[c] for c in sorted(rows)]
         history.extend(round_rows)
         save_server_checkpoint(plan, rnd, state, strategy, history)
-        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None), history)
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows), history)
     return ArrayRecord.from_torch_state_dict(state), history
 
 

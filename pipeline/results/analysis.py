@@ -31,7 +31,7 @@ from pipeline.results import kd_analysis
 from pipeline.results.kd_analysis import HARDKD, SELECTKD
 from pipeline.results.plotting import slug
 from pipeline.results.published import KD_USAGE_RATIO
-from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
+from pipeline.results.readers import best_rounds, read_eval_metrics, read_gate_log
 
 MAIN_STUDY = "main"
 
@@ -81,7 +81,11 @@ class Analysis:
 
     def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:
         path = self.paths.eval_metrics(exp.name)
-        return eval_scores(path) if self._present(exp, needed_for, path) else None
+        if not self._present(exp, needed_for, path):
+            return None
+        if not (scores := read_eval_metrics(path)[1]):  # per client ROUGE, the tables' metrics
+            raise DataError(f"{path}: no client has ROUGE scores")
+        return scores
 
     def main_study(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], float | None, str | None]:
         """Usage ratio, POS distribution and gate statistics per client; also returns per-experiment usage and the

@@ -49,13 +49,6 @@ def read_eval_metrics(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, f
     return data, {c: t | {"avg_rouge": average_rouge(t)} for c, t in three.items()}
 
 
-def eval_scores(path: Path) -> dict[str, dict[str, float]]:
-    """Per client ROUGE (the tables' metrics, :func:`read_eval_metrics`) from the evaluate stage's metrics.json."""
-    if not (scores := read_eval_metrics(path)[1]):
-        raise DataError(f"{path}: no client has ROUGE scores")
-    return scores
-
-
 def collect_scores(
     planned: Iterable[Experiment], labels: dict[str, str], eval_dir: Path
 ) -> tuple[pd.DataFrame, list[str]]:

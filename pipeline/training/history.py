@@ -44,7 +44,6 @@ class RoundLog:
     round: int
     seconds: float
     rows: list[dict[str, Any]]
-    aggregated: bool
 
 
 def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) -> dict[str, Any]:

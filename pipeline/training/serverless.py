@@ -32,7 +32,7 @@ def round_window(n_rows: int, window: int, rnd: int, seed: int) -> np.ndarray:
     return order[((rnd - 1) * window + np.arange(min(window, n_rows))) % n_rows]
 
 
-def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheConfig) -> dict[str, Any]:
+def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheConfig) -> list[dict[str, Any]]:
     """The federated methods' trainer and round structure without a server: every round each client's validation
     loss picks its best adapter, and the round is checkpointed (``checkpoint/local.pt``, resumed by a rerun).
     ``cache_settings``: RunSettings.cache, from the stage entry point. In a set, its units' training and its clients'
@@ -96,5 +96,5 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
         checkpoints.save_round_checkpoint(
             ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress, "history": history}
         )
-        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
-    return {"history": history}
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows), history)
+    return history
