@@ -406,6 +406,23 @@ def test_a_client_without_a_best_round_is_reported_not_a_crash(tmp_path, monkeyp
     assert "analyze: Product: KD usage undefined (no word update in 1..best) (paper 89 %)" in out
 
 
+def test_an_evaluation_without_any_client_scores_is_an_error_naming_its_file(tmp_path, monkeypatch):
+    # An evaluation record with no client's ROUGE (an interrupted or hand-edited metrics.json) cannot feed hard KD vs
+    # SelectKD or the tau sweep: the stage stops on one DataError naming that file, never a KeyError or empty figure.
+    from pipeline.common.schema import DataError
+
+    monkeypatch.chdir(tmp_path)
+    original = write_experiment
+
+    def without_scores(root, name, *args, **kw):
+        original(root, name, *args, **kw)
+        (root / "reports/eval" / name / "metrics.json").write_text(json.dumps({"clients": {}}))
+
+    monkeypatch.setitem(globals(), "write_experiment", without_scores)
+    with pytest.raises(DataError, match=r"reports/eval/sel_s0/metrics\.json: no client has ROUGE scores$"):
+        _analyze_one_selectkd_run(tmp_path, {"Product": 1, "Academic": 1}, tau=5.0)
+
+
 def test_the_analysis_reads_average_rouge_as_the_tables_do(tmp_path):
     # A record written when R-L was rougeLsum (before b73f235) stores avg_rouge = (R-1 + R-2 + rougeLsum) / 3 =
     # (30 + 10 + 29) / 3 = 23. The tables recompute it from plain rougeL (readers.METRICS): (30 + 10 + 20) / 3 = 20;
