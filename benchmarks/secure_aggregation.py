@@ -197,13 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from benchmarks.common import minilm_config
-    from pipeline.common.config import from_dict, load_params
+    from pipeline.common.cli import read_params
     from pipeline.experiments.privacy import PrivacyConfig
     from pipeline.planning import ModelGroup
 
-    params = load_params(args.params)
-    cfg = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy").secagg
-    model = from_dict(ModelGroup, params.get("model"), "params.yaml model")
+    _, privacy, model = read_params(args.params, privacy=PrivacyConfig, model=ModelGroup)
+    cfg = privacy.secagg
     shapes = [
         ("default (MiniLM-L6 BERT2BERT)", minilm_config()["hidden_size"], model.top_k, model.bottleneck),
         ("bart-base", 768, 3, 1536),
