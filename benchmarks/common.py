@@ -108,9 +108,9 @@ def default_shape(model_cfg: ModelConfig, batch_size: int) -> Shape:
 
 
 def load_model_config(params_path: str = "params.yaml") -> ModelConfig:
-    from pipeline.common.config import from_dict, load_params
+    from pipeline.common.cli import read_params
 
-    return from_dict(ModelConfig, load_params(params_path).get("model"), "model")
+    return read_params(params_path, model=ModelConfig)[1]
 
 
 def minilm_tokenizer():

@@ -83,11 +83,10 @@ QUICK = Profile(
 
 def study_uses(params_path: str) -> dict[str, int]:
     """How often one prefix is reused: every local epoch of every round of every experiment trains on it."""
-    from pipeline.common.config import from_dict, load_params
+    from pipeline.common.cli import read_params
     from pipeline.experiments.train_config import TrainConfig
 
-    params = load_params(params_path)
-    train = from_dict(TrainConfig, params.get("train"), "train")
+    params, train = read_params(params_path, train=TrainConfig)
     per_experiment = train.rounds * train.local_epochs
     uses = {"first use": 1, "one experiment (rounds x local epochs)": per_experiment}
     n_exp = len(params.get("experiments") or {})
@@ -202,11 +201,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def _shapes(params_path: str, profile: Profile) -> dict:
     """The two measured shapes: BART-base's and the study's default (params.yaml, reduced by the quick profile)."""
-    from pipeline.common.config import from_dict, load_params
+    from pipeline.common.cli import read_params
     from pipeline.experiments.train_config import TrainConfig
 
     model_cfg = load_model_config(params_path)
-    train_cfg = from_dict(TrainConfig, load_params(params_path).get("train"), "train")
+    train_cfg = read_params(params_path, train=TrainConfig)[1]
     default = default_shape(model_cfg, profile.default_batch or train_cfg.batch_size)
     default = replace(
         default,

@@ -51,9 +51,9 @@ def secure_round(
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    from pipeline.experiments.privacy import wrap_problem
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies.catalog import build_strategy
+    from pipeline.privacy.accounting import secure_sum_problem
     from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
 
     app = ClientApp()
@@ -92,7 +92,8 @@ def secure_round(
     strategy = build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3)
     global_ = ArrayRecord({k: Array(np.zeros_like(v)) for k, v in uploads[names[0]].items()})
     messages = list(strategy.configure_train(1, global_, ConfigRecord({"plan": "-"}), grid))
-    if problem := wrap_problem(cfg, len(names)):  # the plan stage's check (accounting.secure_sum_problem)
+    # the plan stage's check: every client from round 1, all sampled (the strategy's fraction_train 1.0)
+    if problem := secure_sum_problem(cfg, len(names), len(names), 1.0):
         raise ValueError(problem)
     secure = SecureAggregator(cfg, max(weights.values()), timeout=600)
     return secure, secure.train_round(grid, messages, 1), seen
@@ -196,13 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from benchmarks.common import minilm_config
-    from pipeline.common.config import from_dict, load_params
+    from pipeline.common.cli import read_params
     from pipeline.experiments.privacy import PrivacyConfig
     from pipeline.planning import ModelGroup
 
-    params = load_params(args.params)
-    cfg = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy").secagg
-    model = from_dict(ModelGroup, params.get("model"), "params.yaml model")
+    _, privacy, model = read_params(args.params, privacy=PrivacyConfig, model=ModelGroup)
+    cfg = privacy.secagg
     shapes = [
         ("default (MiniLM-L6 BERT2BERT)", minilm_config()["hidden_size"], model.top_k, model.bottleneck),
         ("bart-base", 768, 3, 1536),

@@ -48,11 +48,12 @@ class _Clock:
         self.profiling = False
 
     def install(self):
-        """Time ``Deferred.run`` (the stacked calls) and give each member thread a profiler; returns an undo."""
+        """Time a delivery's ``Work.call`` (the stacked calls) and give each member thread a profiler; returns an
+        undo."""
         from pipeline.training import set_engine
 
         clock = self
-        original_run, original_main = set_engine.Deferred.__init__, set_engine._Member._main
+        original_init, original_main = set_engine.Work.__init__, set_engine._Member._main
         # One timed wrapper per stacked call: the barrier groups the deliveries' jobs by the identity of their call,
         # and a wrapper per delivery would have each job train alone (the records before e66bf1a's did).
         wrappers: dict[Any, Any] = {}
@@ -67,10 +68,14 @@ class _Clock:
 
             return timed
 
-        def deferred_init(self, job, run, result=None):
-            if run not in wrappers:
-                wrappers[run] = timed_call(run)
-            original_run(self, job, wrappers[run], result)
+        def work_init(self, call, given, result=None):
+            # a delivery's local training (set_engine.batched), not a run's client messages (park: the delivery's
+            # whole wall time)
+            if set_engine._LOCAL.member.delivery:
+                if call not in wrappers:
+                    wrappers[call] = timed_call(call)
+                call = wrappers[call]
+            original_init(self, call, given, result)
 
         def profiled_main(self):
             if not clock.profiling:
@@ -83,11 +88,11 @@ class _Clock:
             finally:
                 profile.disable()
 
-        set_engine.Deferred.__init__ = deferred_init
+        set_engine.Work.__init__ = work_init
         set_engine._Member._main = profiled_main
 
         def undo():
-            set_engine.Deferred.__init__ = original_run
+            set_engine.Work.__init__ = original_init
             set_engine._Member._main = original_main
 
         return undo

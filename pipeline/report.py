@@ -22,10 +22,12 @@ from pipeline.results.stats import BootstrapConfig
 from pipeline.results.tables import ReportConfig, ReportInputs
 
 
-def report_inputs(params: dict[str, Any], where: str = "params.yaml") -> ReportInputs:
-    """The planned experiments, the `report` and `bootstrap` groups of ``params`` (read from ``where``) and the plan's
-    `train` (params' with the entry's overrides) of each AdaCentralized and AdaSingle, checked before anything is
-    written."""
+def report_inputs(params: dict[str, Any] | str | Path, where: str = "params.yaml") -> ReportInputs:
+    """The planned experiments, the `report` and `bootstrap` groups of ``params`` (read from ``where``; a path: the
+    params file, read here) and the plan's `train` (params' with the entry's overrides) of each AdaCentralized and
+    AdaSingle, checked before anything is written."""
+    if not isinstance(params, dict):  # the stage's --params, a study folder's params.yaml
+        params, where = load_params(params), str(params)
     return ReportInputs(
         planned := declared(params, where),
         from_dict(ReportConfig, params.get("report"), f"{where} report"),
@@ -37,7 +39,7 @@ def report_inputs(params: dict[str, Any], where: str = "params.yaml") -> ReportI
 def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[Path]:
     """Rewrite the results block of each markdown file from the study folder (``comparisons.csv``, ``train/``,
     ``params.yaml``: reports/cpu-study), or with ``check`` only list the files whose block differs."""
-    inp = report_inputs(load_params(folder / "params.yaml"), str(folder / "params.yaml"))
+    inp = report_inputs(folder / "params.yaml")
     source = folder / "comparisons.csv"
     block = results_text(inp, pd.read_csv(source), source, folder)
     changed = []
@@ -55,7 +57,7 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     """`python -m pipeline.report rebuild` (docs/ARCHITECTURE.md): the tables, the learning curves and the README
     block; identical-summary fractions come from the folder's previous comparisons.csv where predictions are absent."""
     made = Made()
-    inp = report_inputs(load_params(folder / "params.yaml"), str(folder / "params.yaml"))
+    inp = report_inputs(folder / "params.yaml")
     compared = write_tables(inp, folder, made, previous=folder / "comparisons.csv")[0]
     made.csv("tables", folder / "comparisons.csv", compared)
     figures.learning_curves(inp, folder, made)
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results["opponents"], indent=2))
         print(f"wrote {args.out / 'results.json'} and {args.out / 'human_eval.png'}", file=sys.stderr)
         return 0
-    inp = report_inputs(load_params(args.params), args.params)
+    inp = report_inputs(args.params)
     with stage_timer("report"):
         index = build_report(inp, PATHS)
     made = {k: len(v) for k, v in index["made"].items()}

@@ -281,3 +281,23 @@ def test_compare_reports_masks_measurement_keys_not_results_that_contain_their_l
     assert diff_csv("client,Committee,peak_rss_mb\na,1.0,10\n", "client,Committee,peak_rss_mb\na,2.0,20\n", 1e-6) == [
         "row 0 Committee: 1.0 -> 2.0"
     ]
+
+
+def test_the_benchmarks_name_a_bad_params_value_with_its_file_as_the_stages_do(tmp_path):
+    """benchmarks' params (their --params: a study's, not always ./params.yaml) go through the stages' reading,
+    pipeline.common.cli.read_params: a bad value is one line "<file> <group>.<key>"."""
+    import re
+
+    import yaml
+
+    from benchmarks.common import load_model_config
+    from benchmarks.run import study_uses
+    from pipeline.common.config import ConfigError
+
+    (path := tmp_path / "study.yaml").write_text(yaml.safe_dump({"model": {"top_k": 0}, "train": {"rounds": 0}}))
+    with pytest.raises(ConfigError, match=re.escape(f"{path} model.top_k")):
+        load_model_config(str(path))
+    with pytest.raises(ConfigError, match=re.escape(f"{path} train.rounds")):
+        study_uses(str(path))
+    path.write_text(yaml.safe_dump({"train": {"rounds": 3, "local_epochs": 2}, "experiments": {"a": {}, "b": {}}}))
+    assert study_uses(str(path))["all 2 experiments of params.yaml"] == 12

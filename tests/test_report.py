@@ -450,14 +450,28 @@ def test_adacentralized_step_ratio_per_client_from_the_committed_cpu_study():
     client's own pass: Academic 218 examples (14 steps), Committee 284 (18), Product 593 (38)."""
     from pathlib import Path
 
-    from pipeline.common.config import load_params
     from pipeline.report import report_inputs
     from pipeline.results.readers import centralized_step_ratios
 
     study = Path(__file__).resolve().parents[1] / "reports/cpu-study"
-    inp = report_inputs(load_params(study / "params.yaml"))
+    inp = report_inputs(study / "params.yaml")  # the study folder's params file, as `report rebuild` reads it
     got = dict(centralized_step_ratios(inp.planned, study / "train", inp.train))
     assert got == pytest.approx({"Academic": 69 / 14, "Committee": 69 / 18, "Product": 69 / 38})
+
+
+def test_a_params_file_with_a_bad_report_key_is_named_with_the_file(tmp_path):
+    """report_inputs of a params file (the stage's --params, a study folder's params.yaml) names a bad value as every
+    stage does, "<file> <group>.<key>"; the file's own experiments are what it plans."""
+    import yaml
+
+    from pipeline.common.config import ConfigError
+
+    params = {"experiments": {}, "report": {"claim_min_seeds": 0}}
+    (path := tmp_path / "study.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(ConfigError, match=re.escape(f"{path} report.claim_min_seeds")):
+        report_inputs(path)
+    path.write_text(yaml.safe_dump(params | {"report": {"expected_seeds": [0]}}))
+    assert report_inputs(path).cfg.expected_seeds == [0]
 
 
 def test_a_bar_figure_has_a_paper_column_only_where_the_paper_has_a_value_for_its_bars(tmp_path):

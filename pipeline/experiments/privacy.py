@@ -26,16 +26,6 @@ AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.a
 SECAGG_MODULUS = 2**32
 
 
-def wrap_problem(secagg: SecAggConfig, clients: int) -> str | None:
-    """Why the masked sum of ``clients`` uploads under ``secagg`` would wrap around the modulus, or None."""
-    if clients * secagg.quantization_range >= SECAGG_MODULUS:
-        return (
-            f"privacy.secagg.quantization_range {secagg.quantization_range} x {clients} clients >= 2**32: the masked "
-            f"sum would wrap around; lower it below {SECAGG_MODULUS // clients}"
-        )
-    return None
-
-
 Bound = Annotated[float, Field(gt=0, allow_inf_nan=True)]  # a clipping bound; .inf = no clipping
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.experiments.privacy import DEFAULT_DELTA, PrivacyConfig, SecAggConfig, wrap_problem
+from pipeline.experiments.privacy import DEFAULT_DELTA, SECAGG_MODULUS, PrivacyConfig, SecAggConfig
 
 log = logging.getLogger("fedmeet.privacy")
 
@@ -125,7 +125,12 @@ def secure_sum_problem(secagg: SecAggConfig, clients: int, first: int, fraction_
         )
     if isinstance(t := secagg.reconstruction_threshold, int) and t > per_round:  # Flower's clients refuse the setup
         return f"privacy.secagg.reconstruction_threshold {t} > the {per_round} clients of a round's sum: none unmasks"
-    return wrap_problem(secagg, clients)
+    if clients * secagg.quantization_range >= SECAGG_MODULUS:  # the masked sum of the uploads wraps the modulus
+        return (
+            f"privacy.secagg.quantization_range {secagg.quantization_range} x {clients} clients >= 2**32: the masked "
+            f"sum would wrap around; lower it below {SECAGG_MODULUS // clients}"
+        )
+    return None
 
 
 def check_client_plans(plans: dict[str, dict], file: str = "params.yaml") -> None:

@@ -21,7 +21,7 @@ import ctypes
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -52,19 +52,12 @@ def set_rng_state(state: tuple) -> None:
 
 @dataclass
 class Work:
-    """A run's client messages at the barrier: ``deliver(message) -> reply`` runs one (its grid's client call)."""
+    """What a member parks with, done at the barrier: a run's client messages ``given`` (``call(message) -> reply``
+    runs one, its grid's client call; ``result`` the replies), or a delivery's local training job ``given``
+    (``call(jobs) -> results`` trains every delivery's at once; ``result`` its own)."""
 
-    deliver: Callable[[Any], Any]
-    messages: list
-    replies: list = field(default_factory=list)
-
-
-@dataclass
-class Deferred:
-    """A delivery's local training at the barrier: ``run(jobs) -> results`` trains every delivery's at once."""
-
-    job: Any
-    run: Callable[[list], list]
+    call: Callable
+    given: Any
     result: Any = None
 
 
@@ -152,8 +145,8 @@ def _execute(parked: list[_Member], deliveries: list[_Member]) -> None:
     its generators as one after the other would: a delivery starts from where the one before it paused)."""
     by_run = {
         member: [
-            _Member(f"{member.name}-client", partial(member.work.deliver, m), None, delivery=True)
-            for m in member.work.messages
+            _Member(f"{member.name}-client", partial(member.work.call, m), None, delivery=True)
+            for m in member.work.given
         ]
         for member in parked
     }
@@ -165,9 +158,9 @@ def _execute(parked: list[_Member], deliveries: list[_Member]) -> None:
             _step(d)
             member.rng = d.rng
     while waiting := [d for d in deliveries if not d.done]:
-        for call in dict.fromkeys(d.work.run for d in waiting):  # e.g. training, validation
-            same = [d for d in waiting if d.work.run is call]
-            for d, result in zip(same, call([d.work.job for d in same])):
+        for call in dict.fromkeys(d.work.call for d in waiting):  # e.g. training, validation
+            same = [d for d in waiting if d.work.call is call]
+            for d, result in zip(same, call([d.work.given for d in same])):
                 d.work.result = result
         for d in waiting:
             _step(d)
@@ -176,7 +169,7 @@ def _execute(parked: list[_Member], deliveries: list[_Member]) -> None:
             d.thread.join()
             if d.error is not None:
                 raise d.error
-        member.work.replies = [d.result for d in ds]
+        member.work.result = [d.result for d in ds]
         member.rng = ds[-1].rng if ds else member.rng
     deliveries.clear()
 
@@ -199,14 +192,14 @@ def park(deliver: Callable[[Any], Any], messages: list) -> list:
     member = getattr(_LOCAL, "member", None)
     if member is None or member.delivery:
         return [deliver(m) for m in messages]
-    return member.pause(Work(deliver, list(messages))).replies
+    return member.pause(Work(deliver, list(messages))).result
 
 
 def batched(job: Any, run: Callable[[list], list]) -> Any:
     """``run([job])[0]``, or in a delivery at the barrier: ``job`` trained with every other delivery's of the round
     (``run`` gets them all, in the set's order, and returns each one's result or exception)."""
     member = getattr(_LOCAL, "member", None)
-    result = member.pause(Deferred(job, run)).result if member is not None and member.delivery else run([job])[0]
+    result = member.pause(Work(run, job)).result if member is not None and member.delivery else run([job])[0]
     if isinstance(result, BaseException):
         raise result
     return result
