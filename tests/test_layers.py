@@ -248,9 +248,10 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # help" (+7, the GPU study's pooling line); stats._checked's joint codes built only where returned, read_partition's
 # check without its [None] decoy, the tau-sweep title's "dotted" only where the line is drawn (+3); the backbone
 # stage's own bad-input lines name the params file (+2).
-# The twenty-first session: -65 from structure (one --params path for the stages, the set engine's barrier a function
-# of the calling thread, run_server handed its checkpoint, one nested-interval path, kd_analysis' token checks one loop,
-# LocalhostRun as subprocess.CompletedProcess...; outputs identical), +2 for a fix: a DP report's -0.5 is malformed.
+# The twenty-first session: -82 from structure (one --params path for the stages, the set engine's barrier a function
+# of the calling thread and one Work type, run_server handed its checkpoint, one nested-interval path, kd_analysis'
+# token checks one loop, the wrap-around check in secure_sum_problem, LocalhostRun as subprocess.CompletedProcess...;
+# outputs identical), +2 for a fix (a DP report's -0.5 is malformed), +2 for report_inputs reading a params file.
 PACKAGE_LINE_CEILING = 14_956
 
 
