@@ -203,14 +203,11 @@ def resolve(
     if kind == "recipe":
         train_pairs = load_pairs(interim, "train", sep_token)
         warmup = recipe.warm_up(model, tokenizer, train_pairs, wc, device)
-        warmup.update(
-            {"dataset": wc.dataset, "train_examples": len(train_pairs), "config": asdict(wc), "device": device.type}
-        )
+        warmup.update(dataset=wc.dataset, train_examples=len(train_pairs), config=asdict(wc), device=device.type)
     if wc.eval_examples > 0:
         # a fixed subsample: the first validation dialogues in file order (the same for every run)
         valid = load_pairs(interim, "valid", sep_token)[: wc.eval_examples]
-        evaluation = recipe.evaluate_summarizer(model, tokenizer, valid, wc, device, score)
-        evaluation["dataset"] = wc.dataset
+        evaluation = recipe.evaluate_summarizer(model, tokenizer, valid, wc, device, score) | {"dataset": wc.dataset}
 
     final_dir, out_dir = out_dir, atomic.temp_dir_for(out_dir)  # written whole: built beside, renamed at the end
     # save_pretrained writes where the weights were loaded from (config._name_or_path): for the offline recipe an

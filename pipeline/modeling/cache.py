@@ -81,13 +81,17 @@ class PrefixCache:
         """The batch's prefix, padded like the batch; missing entries are computed (one backbone pass) and stored."""
         src_len = batch.attention_mask.sum(dim=1).tolist()
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
-        paths = [
-            self._entry_path(eid, batch.input_ids[i, : src_len[i]], batch.decoder_input_ids[i, : tgt_len[i]])
-            for i, eid in enumerate(batch.example_ids)
-        ]
+        paths: list[Path] = []
         entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         now = time.time()
-        for i, path in enumerate(paths):
+        for i, eid in enumerate(batch.example_ids):
+            src_ids, dec_ids = batch.input_ids[i, : src_len[i]], batch.decoder_input_ids[i, : tgt_len[i]]
+            # an entry's name is hashed once per process: every later micro-batch finds it by the ids' bytes
+            ids = (eid, src_ids.numpy().tobytes(), dec_ids.numpy().tobytes())
+            if (path := self._paths.get(ids)) is None:
+                name = _sha(eid, src_ids.tolist(), dec_ids.tolist())[:32]
+                path = self._paths[ids] = self.dir / f"{name}.safetensors"
+            paths.append(path)
             if (entry := self.resident.get(path)) is None and (loaded := self._load(path)) is not None:
                 entry = self.resident[path] = tuple(t.to(model.device) for t in loaded)
             if entry is not None:
@@ -113,16 +117,8 @@ class PrefixCache:
         dec_h = torch.nn.functional.pad(dec_h, (0, 0, 0, batch.labels.shape[1] - dec_h.shape[1]))
         return Prefix(enc_h, batch.attention_mask, dec_h, batch.labels != IGNORE_INDEX).to(model.device)
 
-    def _entry_path(self, example_id: str, source_ids: torch.Tensor, decoder_ids: torch.Tensor) -> Path:
-        """The entry of an example's token ids: hashed once per process (every later micro-batch finds it by the ids'
-        bytes)."""
-        ids = (example_id, source_ids.numpy().tobytes(), decoder_ids.numpy().tobytes())
-        if (path := self._paths.get(ids)) is None:
-            name = _sha(example_id, source_ids.tolist(), decoder_ids.tolist())[:32]
-            path = self._paths[ids] = self.dir / f"{name}.safetensors"
-        return path
-
     def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The entry's tensors (None: not there, or damaged: then logged, deleted and recomputed by the caller)."""
         try:
             with safe_open(str(path), framework="pt") as f:
                 expected = (f.metadata() or {}).get(CHECKSUM_KEY)
@@ -130,22 +126,17 @@ class PrefixCache:
         except FileNotFoundError:
             return None  # not computed yet, or evicted meanwhile
         except Exception as exc:  # noqa: BLE001 -- safetensors raises its own error types for a bad header
-            self._damaged(path, f"unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
-            return None
-        if expected is None:
-            self._damaged(path, "no checksum in its metadata")
-            return None
-        if tensors_sha256(enc, dec) != expected:
-            self._damaged(path, "tensor bytes do not match the recorded sha256")
-            return None
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)  # LRU: a hit makes the entry recent
-        return enc, dec
-
-    def _damaged(self, path: Path, why: str) -> None:
+            why = f"unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+        else:
+            if expected is not None and tensors_sha256(enc, dec) == expected:
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(path)  # LRU: a hit makes the entry recent
+                return enc, dec
+            why = "no checksum in its metadata" if expected is None else "tensor bytes do not match the recorded sha256"
         log.warning("prefix cache: damaged entry %s: %s; recomputing it", path, why)
         self.stats["damaged"] += 1
         self._remove(path)
+        return None
 
     def _remove(self, path: Path) -> int:
         """Delete an entry, from disk and memory, and uncount its file; the bytes freed (0: gone already)."""
@@ -178,16 +169,14 @@ class PrefixCache:
             self.size_bytes += size
             return True
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            Path(tmp).unlink(missing_ok=True)  # refused, or failed: no temporary is left
 
     def _evict(self, need: int) -> None:
         """Least recently used first: by the files' mtime, or this process's last use of a resident entry."""
         files = sorted(self.root.glob("*/*.safetensors"), key=lambda p: max(p.stat().st_mtime, self._used.get(p, 0.0)))
-        freed = 0
         for p in files:
-            if freed >= need:
+            if need <= 0:
                 break
             if size := self._remove(p):
-                freed += size
+                need -= size
                 self.stats["evicted"] += 1

@@ -81,11 +81,7 @@ class LossOutput:
 def _pack(logits: torch.Tensor, valid: torch.Tensor, name: str) -> torch.Tensor:
     """[B, T, V] -> the [N, V] rows at ``valid`` (row-major, as ``logits[valid]``); [N, V] is taken as packed."""
     n = int(valid.sum())
-    if logits.dim() == valid.dim() + 1:
-        if logits.shape[:-1] != valid.shape:
-            raise ValueError(
-                f"distillation_loss: {name} shape {tuple(logits.shape)} does not match labels {tuple(valid.shape)}"
-            )
+    if logits.shape[:-1] == valid.shape:
         return logits.reshape(-1, logits.shape[-1]) if n == valid.numel() else logits[valid]  # no copy if unpadded
     if logits.dim() == 2 and logits.shape[0] == n:
         return logits
@@ -225,9 +221,7 @@ def distillation_losses(
     chunk_rows = chunk_rows_for(z_l)
     z_g = z_g.to(dev) if z_g is not None else None
     # w_t: the token's weight in its run's mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b)); made on the host
-    row_weight = torch.cat([_row_weights(v, c, cfg) for v, c, cfg in zip(valids, counts, cfgs)]).to(
-        dev, non_blocking=True
-    )
+    row_weight = torch.cat([_row_weights(*run) for run in zip(valids, counts, cfgs)]).to(dev, non_blocking=True)
     per_run = torch.tensor(counts)
     lam, lam_off, run_of_row = (
         torch.tensor(values).repeat_interleave(per_run).to(dev, non_blocking=True)

@@ -299,12 +299,8 @@ class AdapterSummarizer(nn.Module):
         if bool(mask.all()):
             logits = self._head(h)
             return logits.reshape(-1, logits.shape[-1]) if packed else logits
-        rows = self._head(h[mask])
-        if packed:
-            return rows
-        full = rows.new_zeros(*mask.shape, rows.shape[-1])
-        full[mask] = rows  # a differentiable scatter into zeros
-        return full
+        out = self._head(h[mask])  # unpacked: a differentiable scatter into zeros
+        return out if packed else out.new_zeros(*mask.shape, out.shape[-1]).index_put((mask,), out)
 
     def forward_two_paths(
         self, batch: Batch, prefix: Prefix | None = None, packed: bool = False, teacher: bool = True

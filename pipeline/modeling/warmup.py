@@ -21,6 +21,7 @@ from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, Pos
 from pipeline.paths import package_model_dir
 
 log = logging.getLogger("fedmeet.backbone")  # the backbone stage runs the warm-up: its log lines keep its name
+_BERT_ATTENTION = ("BertSelfAttention", "BertCrossAttention")  # the modules whose dropout the warm-up may turn off
 
 
 # ROUGE of predictions against references, {"rouge1": ..., "n": ...} (the backbone stage passes
@@ -131,11 +132,7 @@ def param_groups(model, wc: WarmupConfig) -> list[dict[str, Any]]:
             new = "crossattention" in name or ".cls.predictions.transform" in name
             groups.setdefault((new, p.ndim < 2), []).append(p)
     return [
-        {
-            "params": ps,
-            "lr": wc.cross_attention_lr if new else wc.lr,
-            "weight_decay": 0.0 if no_decay else wc.weight_decay,
-        }
+        dict(params=ps, lr=wc.cross_attention_lr if new else wc.lr, weight_decay=0.0 if no_decay else wc.weight_decay)
         for (new, no_decay), ps in sorted(groups.items())
     ]
 
@@ -153,13 +150,6 @@ def token_ids(tokenizer, texts: list[str], max_length: int, chunk: int = 1024) -
         for start in range(0, len(texts), chunk)
         for ids in tokenizer(texts[start : start + chunk], truncation=True, max_length=max_length)["input_ids"]
     ]
-
-
-def _checkpointing(model, on: bool) -> None:
-    """Activation checkpointing on or off: ``activation_checkpointing_*`` in the pinned transformers (5.23), where
-    ``gradient_checkpointing_*`` is a deprecated alias; older releases (5.17 on the lent GPU) have only the latter."""
-    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
-    getattr(model, f"{name}_checkpointing_{'enable' if on else 'disable'}")()
 
 
 def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
@@ -180,15 +170,14 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     # Dropout on attention probabilities makes SDPA fall back to its unfused path, which keeps batch x heads x L x L
     # matrices per layer for backward; without it the fused kernel keeps none. Only the warm-up's modules change:
     # the saved config keeps the checkpoint's attention_probs_dropout_prob.
-    attention_dropouts = {
-        m.dropout: m.dropout.p
-        for m in model.modules()
-        if type(m).__name__ in ("BertSelfAttention", "BertCrossAttention")
-    }
+    attention_dropouts = {m.dropout: m.dropout.p for m in model.modules() if type(m).__name__ in _BERT_ATTENTION}
     for dropout in attention_dropouts:
         dropout.p = dropout.p if wc.attention_dropout else 0.0
+    # activation_checkpointing_* in the pinned transformers (5.23), where gradient_checkpointing_* is a deprecated
+    # alias; older releases (5.17 on the lent GPU) have only the latter
+    checkpointing = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
     if wc.activation_checkpointing:  # the same numbers: each layer's forward is rerun in backward, RNG state restored
-        _checkpointing(model, True)
+        getattr(model, f"{checkpointing}_checkpointing_enable")()
     loss_log, window, seen = [], [], 0
     t0 = time.perf_counter()
     bar = tqdm(order, desc="backbone warm-up", unit="step", mininterval=5)
@@ -198,14 +187,9 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
         # teacher forcing: decoder input = [CLS] y_1..y_{T-1}; labels = y_1..y_T ([SEP]); both come from the
         # tokenised summary "[CLS] y [SEP]", shifted by one; padding -100, cross_entropy's default ignore_index.
         labels = tgt[:, 1:].masked_fill(tgt[:, 1:] == pad, -100)
-        dec_in = tgt[:, :-1]
-        with autocast_ctx(device, wc.bf16):
-            out = model(
-                input_ids=src["input_ids"].to(device),
-                attention_mask=src["attention_mask"].to(device),
-                decoder_input_ids=dec_in.to(device),
-                decoder_attention_mask=(dec_in != pad).to(device),
-            )
+        dec_in = tgt[:, :-1].to(device)
+        with autocast_ctx(device, wc.bf16):  # src: input_ids and attention_mask
+            out = model(**src.to(device), decoder_input_ids=dec_in, decoder_attention_mask=dec_in != pad)
         loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten().to(device))
         del out  # backward does not need the logits: batch x target x vocab floats freed before it
         loss.backward()
@@ -223,7 +207,7 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
             log.info("warm-up step %d/%d loss %.4f (%.1f examples/s)", step, wc.steps, mean, seen / elapsed)
             window = []
     seconds = time.perf_counter() - t0
-    _checkpointing(model, False)  # off for generation (a no-op when it was never on)
+    getattr(model, f"{checkpointing}_checkpointing_disable")()  # off for generation (a no-op when it was never on)
     for dropout, p in attention_dropouts.items():
         dropout.p = p
     model.eval()
@@ -252,9 +236,8 @@ def evaluate_summarizer(
         idx = order[start : start + wc.eval_batch_size]
         texts = [sources[i] for i in idx]
         batch = tokenizer(texts, truncation=True, max_length=wc.max_source_length, padding=True, return_tensors="pt")
-        batch = batch.to(device)
         with autocast_ctx(device, wc.bf16):
-            out = model.generate(**batch)
+            out = model.generate(**batch.to(device))
         for i, text in zip(idx, tokenizer.batch_decode(out, skip_special_tokens=True)):
             preds[i] = text.strip()
     scores = {k: round(float(v), 2) for k, v in score(preds, refs).items() if k != "n"}
