@@ -201,14 +201,12 @@ def log_to_mlflow(
         where = " and ".join(f"tags.{k} = '{v}'" for k, v in identity.items()) + " and tags.plan_hash LIKE '%'"
         runs = find_runs(exp_id, where, order_by=["attributes.start_time DESC"])
         run_id = runs[0].info.run_id if len({r.data.tags["plan_hash"] for r in runs}) == 1 else None
-    # a record with no training run found (imported: none, or several plans) gets a run of its own, tagged as it says
-    keys = ("method", "partition", "seed", "study", "tau")
-    tags = {k: str(experiment[k]) for k in keys if experiment.get(k) is not None}
-    logger = (
-        RunLogger(run_id)
-        if run_id
-        else RunLogger.start(study, name, {}, {"experiment": name, **tags}, clients=tuple(metrics["clients"]))
-    )
+    if run_id:
+        logger = RunLogger(run_id)
+    else:  # a record with no training run found (imported: none, or several plans): a run of its own, tagged as it says
+        keys = ("method", "partition", "seed", "study", "tau")
+        tags = {k: str(experiment[k]) for k in keys if experiment.get(k) is not None}
+        logger = RunLogger.start(study, name, {}, {"experiment": name, **tags}, clients=tuple(metrics["clients"]))
     logger.log_metrics(headline_metrics(metrics), step=0)
     # The record's evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a
     # trained run with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.

@@ -153,6 +153,5 @@ def evaluate_experiments(
         adapters = [a for exp in same for a in exp.adapters]
         summaries = iter(generate_per_run(model, adapters, sources, cfg, max_src, desc))
         for exp in same:
-            predictions = [next(summaries) for _ in exp.chosen]
-            out[exp.name] = score_and_write(exp, predictions, backbone)
+            out[exp.name] = score_and_write(exp, [next(summaries) for _ in exp.chosen], backbone)
     return {n: out[n] for n in names}

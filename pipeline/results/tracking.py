@@ -156,9 +156,8 @@ def experiment_id(study: str, description: str | None = None) -> str:
     """The MLflow experiment of a study, created on first use (an existing one: missing tags set, artifacts rebased)."""
     client = _client()
     # mlflow.experimentKind picks the UI's landing view (runs table, not GenAI traces); the note is its description
-    tags = {"mlflow.experimentKind": "custom_model_development"} | (
-        {"mlflow.note.content": description} if description else {}
-    )
+    tags = {"mlflow.experimentKind": "custom_model_development"}
+    tags |= {"mlflow.note.content": description} if description else {}
     exp = client.get_experiment_by_name(study)
     if exp is None:
         location = None if tracking_uri().startswith(("http://", "https://")) else artifact_dir(study).as_uri()
@@ -260,7 +259,7 @@ class RunLogger:
             client.log_batch(logger.run_id, params=[Param(k, str(v)) for k, v in sorted(flatten(params).items())])
         for name, splits in ({c: {} for c in clients} | listed).items():
             logger.train_sizes[name] = len(splits.get("train", []))
-            logger.datasets[name] = {
+            logger.datasets[name] = sets = {
                 split: split_dataset(tags.get("partition", ""), name, split, splits[split], partition)
                 for split in ("train", "valid")
                 if split in splits
@@ -268,23 +267,19 @@ class RunLogger:
             if name in logger.children:
                 continue
             child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: logger.run_id, "client": name}
-            child = client.create_run(exp_id, run_name=f"{run_name}/{name}", tags=child_tags)
-            logger.children[name] = child.info.run_id
+            child = client.create_run(exp_id, run_name=f"{run_name}/{name}", tags=child_tags).info.run_id
+            logger.children[name] = child
+            inputs = [
+                DatasetInput(d._to_mlflow_entity(), [InputTag("mlflow.data.context", s)]) for s, d in sets.items()
+            ]
             with _store_lock(tracking_uri()):  # two trainings of one partition log the same datasets at once
-                client.log_inputs(
-                    logger.children[name],
-                    datasets=[
-                        DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
-                        for split, ds in logger.datasets[name].items()
-                    ],
-                )
+                client.log_inputs(child, datasets=inputs)
         if tags.get("experiment"):
             running = f"tags.experiment = '{tags['experiment']}' and attributes.status = 'RUNNING'"
+            gone = "marked KILLED at the next start of the experiment: its process was gone"
             for run in client.search_runs([exp_id], running):
                 if run.info.run_id != logger.run_id and not owner_alive(run.data.tags):
-                    end_if_running(
-                        run.info.run_id, "marked KILLED at the next start of the experiment: its process was gone"
-                    )
+                    end_if_running(run.info.run_id, gone)
         logger._monitor = SystemMetricsMonitor(logger.run_id, resume_logging=resumed, tracking_uri=tracking_uri())
         logger._monitor.start()
         if run_id_file is not None:
@@ -373,9 +368,8 @@ def download_model(model: str, models_dir: Path) -> dict[str, str]:
     import mlflow  # lazy: importing mlflow takes ~1-2 s
 
     model_id = model.removeprefix("models:/").strip("/")
-    _client()  # sets the tracking URI
     try:
-        tags = mlflow.get_logged_model(model_id).tags
+        tags = _client().get_logged_model(model_id).tags  # _client sets the tracking URI download_artifacts reads
     except mlflow.exceptions.MlflowException as exc:  # a mistyped id: one line, not MLflow's traceback
         raise ConfigError(f"{model}: no such LoggedModel in {tracking_uri()} ({exc.message})") from None
     folder = models_dir / tags["experiment"]
