@@ -114,10 +114,10 @@ class PrivacyConfig:
         return record
 
 
-def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig | None = None) -> str | None:
+def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig) -> str | None:
     """Why ``method`` (a MethodSpec) cannot run under SecAgg+, or None: the server then sees only the weighted sum
     of the uploads, so it must need nothing else and cannot clip one."""
-    if cfg is not None and cfg.mode == "client" and cfg.clipping_side != "client":
+    if cfg.mode == "client" and cfg.clipping_side != "client":
         return (
             "privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
             "of the updates and cannot clip each one (the client clips its update before it is masked)"

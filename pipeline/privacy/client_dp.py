@@ -84,11 +84,14 @@ class ClientLevelDP(Strategy):
         # A failed reply is left out (k counts the others, as a timed-out client's). Flower's DP wrappers release
         # nothing then, which tells that the secret Poisson sample held somebody (as an unchanged W would).
         replies, clipped = [reply for reply in replies if not reply.has_error()], 0
+        base = self._arrays.to_numpy_ndarrays()  # the round's global W (read, never written)
         for reply in replies:
-            metrics = reply.content[METRICS_KEY]
+            metrics, received = reply.content[METRICS_KEY], reply.content[ARRAYS_KEY]
             metrics[UNIFORM_WEIGHT_KEY] = 1
-            if not self.client_side:
-                clipped += self._clip(reply)
+            if not self.client_side:  # clipped here: W + clip(W_i - W)
+                update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), base, strict=True)]
+                clipped += int(adaptive_clip_inputs_inplace(update, self.clipping_norm))
+                reply.content[ARRAYS_KEY] = _record(received.keys(), [w + u for w, u in zip(base, update, strict=True)])
             elif self.adaptive:  # its 0/1 mark checked (protocol.train_reply_metrics: a reply without it is left out)
                 clipped += int(metrics[KEY_NORM_BIT])
         inner = self.strategy
@@ -125,13 +128,6 @@ class ClientLevelDP(Strategy):
     def _generator(self, server_round: int, *stream: int) -> np.random.Generator:
         n = self.releases.get(str(server_round), 0)  # the round's releases before this one: a redo's n-th, [..., 2, n]
         return np.random.default_rng([self.seed, server_round, *stream, *([2, n] if n else [])])
-
-    def _clip(self, reply: Message) -> int:
-        received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()
-        update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), reference, strict=True)]
-        bit = adaptive_clip_inputs_inplace(update, self.clipping_norm)
-        reply.content[ARRAYS_KEY] = _record(received.keys(), [w + u for w, u in zip(reference, update, strict=True)])
-        return int(bit)
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)
@@ -186,9 +182,7 @@ def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:
 def client_dp_mod(msg: Message, context: Context, call_next):
     """With client-side clipping, Flower's fixed or adaptive clipping mod on the reply, marked ``dp-update-clipped``;
     otherwise, and for SecAgg+'s legacy FitIns (clipped inside legacy_fit), the message passes."""
-    if is_legacy_fit(msg):
-        return call_next(msg, context)
-    privacy = load_plan(plan_path_of(msg, context)).privacy
+    privacy = None if is_legacy_fit(msg) else load_plan(plan_path_of(msg, context)).privacy
     if privacy is None or privacy.mode != "client" or privacy.clipping_side != "client":
         return call_next(msg, context)
     received, config = msg.content[ARRAYS_KEY], msg.content[CONFIG_KEY]

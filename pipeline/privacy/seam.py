@@ -167,19 +167,17 @@ def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str,
             "epsilon_max": top["epsilon"] if top else None,
             "delta_max": max((r["delta"] for r in reports), default=None),
         }
-    if cfg is None or not cfg.secure_aggregation:
-        return {"privacy": privacy}
-    sampled = [r for r in history if r.get("sampled")]
-    return {
-        "privacy": privacy,
-        "secure_aggregation": {
+    record = {"privacy": privacy}
+    if cfg is not None and cfg.secure_aggregation:
+        sampled = [r for r in history if r.get("sampled")]
+        record["secure_aggregation"] = {
             "protocol": "SecAgg+ (flwr SecAggPlusWorkflow)",
             **asdict(cfg.secagg),
             "rounds_aggregated": len({r["round"] for r in sampled if not r.get("failed")}),
             "dropped": dict(Counter(r["client"] for r in sampled if r.get("failed"))),
             "clipped_coordinates": sum(int(r.get("secagg_clipped", 0)) for r in sampled),
-        },
-    }
+        }
+    return record
 
 
 def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -74,13 +74,6 @@ def upload_error(cfg: SecAggConfig) -> float:  # one coordinate's, of an upload 
     return 2 * cfg.clipping_range / cfg.quantization_range + 10 * FLOAT32_EPS * cfg.clipping_range
 
 
-def clipped_count(bit_mean: np.ndarray, summed: int, cfg: SecAggConfig) -> int:
-    """How many of the ``summed`` uniformly weighted uploads were clipped, from the unmasked mean of their bit
-    coordinate (bit x c / 2): off an integer by about 4 summed / Q, far less than 1/2."""
-    count = float(np.asarray(bit_mean, dtype=np.float64).reshape(-1)[0]) * summed / (cfg.clipping_range / 2)
-    return min(max(int(round(count)), 0), summed)
-
-
 def secure_aggregation_mod(msg: Message, context: Context, call_next) -> Message:
     """Flower's ``secaggplus_mod`` for a SecAgg+ round's messages; any other passes (one ClientApp for both)."""
     if RECORD_KEY_CONFIGS in msg.content.config_records:
@@ -331,8 +324,11 @@ class SecureAggregator:
             )
             return out
         mean = list(strategy.mean)  # the observer's shapes: one per adapter tensor, then the clipped bit
-        if self.clipped_bits:
-            out.clipped_count = clipped_count(mean.pop(), len(in_sum), self.cfg)
+        if self.clipped_bits:  # how many of the summed uniformly weighted uploads were clipped, from the unmasked
+            # mean of their bit coordinate (bit x c / 2): off an integer by about 4 summed / Q, far less than 1/2
+            bit_mean = float(np.asarray(mean.pop(), dtype=np.float64).reshape(-1)[0])
+            count = bit_mean * len(in_sum) / (self.cfg.clipping_range / 2)
+            out.clipped_count = min(max(int(round(count)), 0), len(in_sum))
         dtype = messages[0].content[ARRAYS_KEY][keys[0]].numpy().dtype
         out.arrays = ArrayRecord.from_torch_state_dict(
             {k: torch.from_numpy(np.asarray(a, dtype=dtype)) for k, a in zip(keys, mean)}
