@@ -285,7 +285,7 @@ def test_the_reports_readme_says_a_filled_sheet_keeps_its_kit_column(tmp_path):
     from pipeline.results.outputs import readme
 
     index = {"made": {}, "not_made": {}, "missing_experiments": [], "ignored_evaluations": [], "incomplete_seeds": []}
-    section = readme(index, 0, tmp_path, tmp_path).split("## Human evaluation", 1)[1]
+    section = readme(index, 0, tmp_path).split("## Human evaluation", 1)[1]
     assert "keep the `kit` column" in section
     make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
     rows = [{k: v for k, v in r.items() if k != "kit"} | {"judgement": "A"} for r in read_sheet(tmp_path / "sheet.csv")]

@@ -30,7 +30,6 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     data = data.assign(
         paper_avg_rouge=[table.get(m, {}).get(c, math.nan) for m, c in zip(data["method"], data["client"])]
     )
-    fig_path, plot_path = paths.figures / f"{entry.study}.png", paths.plots / f"{entry.study}.csv"
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
@@ -54,14 +53,14 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     axes[0][0].set_ylabel("average ROUGE (R-1, R-2, R-L), ± std over n seeds")
     backbones = ", ".join(sorted(set(data["backbone"].astype(str))))
     fig.suptitle(f"{entry.title}\nours: backbone {backbones}", fontsize=10)
-    save(fig, fig_path)
-    out = data.copy()
-    out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
+    out = data.assign(
+        bar=data["client"] + " | " + data["label"] + (" | " + data[facet_col].astype(str) if facet_col else "")
+    )
     by_facet, means = [facet_col] if facet_col else [], [f"{m}_mean" for m in TABLE_METRICS]
     cols = ["bar", "client", "label", *by_facet, "avg_rouge_mean", "avg_rouge_std", *means, "n_seeds", "missing_seeds"]
     paper = ["paper_avg_rouge"] if data["paper_avg_rouge"].notna().any() else []  # a column only where it has some
-    atomic.to_csv(out[cols + paper], plot_path, index=False)
-    return str(fig_path)
+    atomic.to_csv(out[cols + paper], paths.plots / f"{entry.study}.csv", index=False)
+    return str(save(fig, paths.figures / f"{entry.study}.png"))
 
 
 def learning_curves(inp: ReportInputs, reports: Path, made: Made) -> int:
@@ -198,9 +197,6 @@ def study_figures(agg: pd.DataFrame, paths: ProjectPaths, made: Made) -> None:
         made.files["figures"].append(bar_figure(bars, entry, paths))
 
 
-PRIVACY_STUDY = "privacy"
-
-
 def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | None, float | None]:
     """(epsilon, target, noise multiplier, delta) of one run: the largest epsilon over its clients (inf without
     DP) and the largest delta (None without DP); privacy.mode client: the run's own (inf: no bound)."""
@@ -224,7 +220,7 @@ def privacy_points(inp: ReportInputs, scores: pd.DataFrame, paths: ProjectPaths)
     """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent (mean
     over seeds of spent_epsilon), no privacy at epsilon = inf."""
     rows = []
-    for config in [c for c in inp.configurations if c.study == PRIVACY_STUDY]:
+    for config in [c for c in inp.configurations if c.study == "privacy"]:
         per_seed, spent = [], []  # the client average of each seed; spent_epsilon of each seed
         for _, name in config.runs:
             mine = scores[scores["experiment"] == name]

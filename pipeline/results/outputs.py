@@ -181,7 +181,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
         "incomplete_seeds": incomplete,
         "ignored_evaluations": ignored,
     }
-    atomic.write_text(paths.reports / "README.md", readme(index, len(planned), paths.reports, paths.plots))
+    atomic.write_text(paths.reports / "README.md", readme(index, len(planned), paths.reports))
     return index
 
 
@@ -258,7 +258,7 @@ OTHER_OUTPUTS = (
 ).split()
 
 
-def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str:
+def readme(index: dict[str, Any], n_planned: int, out: Path) -> str:
     """The index of ``out`` (the reports directory) from ``index``: what was made, what not and why."""
     rel = functools.partial(os.path.relpath, start=out)
     lines = [
@@ -274,7 +274,7 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
     ]
     # each section a list of links (an entry that is no file, e.g. the sheets' counts, as it is)
     sections = [(s.capitalize(), index["made"].get(s, [])) for s in ("tables", "figures", "human evaluation")]
-    sections += [("Plot data (`dvc plots show`)", sorted(plots.rglob("*.csv")))]
+    sections += [("Plot data (`dvc plots show`)", sorted((out / "plots").rglob("*.csv")))]
     sections += [("Other stage outputs", [p for pattern in OTHER_OUTPUTS for p in sorted(out.glob(pattern))])]
     for title, items in ((t, i) for t, i in sections if i):
         lines += [f"## {title}", "", *(f"- [{rel(i)}]({rel(i)})" if Path(i).exists() else f"- {i}" for i in items), ""]

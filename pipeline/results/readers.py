@@ -126,8 +126,7 @@ def best_and_last_rounds(path: Path, kept: dict[str, Any]) -> dict[str, tuple[in
 
 def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
     """Per client of ``experiment``: best and last round, whether they are the same, the run's stated verdict."""
-    run = train_dir / experiment
-    metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
+    metrics_path, rounds_path = (train_dir / experiment / f for f in ("metrics.json", "rounds.json"))
     metrics = read_json(metrics_path, "train metrics") if metrics_path.is_file() else {}
     clients = metrics.get("clients") or {}
     kept = {str(c): v["best_round"] for c, v in clients.items() if isinstance(v, dict) and v.get("best_round")}

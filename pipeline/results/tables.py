@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -108,11 +107,11 @@ def aggregate(scores: pd.DataFrame, inp: ReportInputs) -> pd.DataFrame:
     return pd.DataFrame(out_rows, columns=columns)
 
 
-def fmt(mean: float, std: float, n: int | None = None) -> str:
+def fmt(mean: float, std: float, n: int) -> str:
     """'27.09 ± 0.31', or '27.09 (n=1)': one seed has no spread, so none is shown (never '± 0.00')."""
     if pd.isna(mean):
         return "missing"
-    if n is not None and int(n) == 1:
+    if int(n) == 1:
         return f"{mean:.2f} (n=1)"
     return f"{mean:.2f}" + ("" if pd.isna(std) else f" ± {std:.2f}")
 
@@ -231,7 +230,6 @@ def study_table_markdown(
     return "\n".join(lines) + "\n"
 
 
-EXPERIMENT_STAGE = re.compile(r"^(train|evaluate)-(?P<experiment>.+)$")
 # What pipeline.common.timing writes of a stage, with its type: the stage-time table's columns.
 TIMING_FIELDS = {"stage": str, "seconds": float, "startup_seconds": float, "peak_rss_mb": float, "finished_at": str}
 
@@ -246,8 +244,8 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
             row = {key: kind(rec[key]) for key, kind in TIMING_FIELDS.items()}
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise DataError(f"{f}: not a stage timing record of pipeline.common.timing ({err!r})") from err
-        m = EXPERIMENT_STAGE.match(row["stage"])
-        if m and m["experiment"] not in planned_names:
+        step, _, experiment = row["stage"].partition("-")
+        if step in ("train", "evaluate") and experiment and experiment not in planned_names:
             left_out.append(row["stage"])
             continue
         rows.append(row)
