@@ -245,7 +245,7 @@ def test_each_supernode_logs_to_its_own_file_whatever_the_other_clients_names(ws
     from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation, Process
     from tests.test_federated import write_plan
 
-    fed = LocalhostFederation(LocalhostConfig(plan=write_plan("log-names", "fedavg")))
+    fed = LocalhostFederation(LocalhostConfig(plan=write_plan("log-names", "fedavg"), clients=["A-1", "AB", "A"]))
 
     def start(name, argv, cwd):
         fed.procs.procs.append(proc := Process(name, None, fed.procs.log_dir / f"{name}.log"))

@@ -43,6 +43,7 @@ class LocalhostConfig:
     plan: str  # relative to the working directory, as the SuperLink and the SuperNodes read it
     run_config: dict[str, str | int | float | bool] = field(default_factory=dict)  # the ServerApp's
     params: str | None = None  # params file of the run config's timeouts and decoding (unless set there)
+    clients: list[str] | None = None  # the SuperNodes started, by client name (default: the plan's partition)
     tls: bool = False
     auth: bool = False  # SuperNode authentication: a key per client, registered before the run
     startup_timeout_s: float = 60.0
@@ -150,7 +151,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         self.plan = load_plan(str(self.workdir / cfg.plan))  # a missing file: load_plan's error, naming it
         params = {} if cfg.params is None else server_run_config(str(self.workdir / cfg.params), self.plan.experiment)
         self.run_config = params | cfg.run_config  # a --run-config value wins
-        self.clients = list(self.plan.clients or client_names(self.plan))  # a SuperNode each
+        self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
         self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
