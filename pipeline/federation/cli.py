@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from pipeline.common import atomic
+from pipeline.common import atomic, cli
 from pipeline.common.config import ConfigError
 from pipeline.common.schema import DataError
 from pipeline.experiments.plans import read_plan
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, decoding, "
         "round-timeout-s, admission-timeout-s; the last three default to --params')",
     )
-    lo.add_argument("--params", default="params.yaml", help="params file of the server's timeouts and decoding")
+    cli.add_params(lo, "params file of the server's timeouts and decoding")
     lo.add_argument("--tls", action="store_true", help="TLS with a throwaway self-signed CA (under FLWR_HOME)")
     lo.add_argument("--auth", action="store_true", help="SuperNode authentication: a registered key per client")
     # LocalhostConfig's fields (its defaults where not given)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     kit.add_argument("--plan", required=True)
     kit.add_argument("--client", help="the site's client (default: the server's kit)")
     kit.add_argument("--out", required=True, type=Path)
-    kit.add_argument("--params", default="params.yaml", help="the server's kit: run_config.toml's timeouts, decoding")
+    cli.add_params(kit, "the server's kit: run_config.toml's timeouts, decoding")
     args = ap.parse_args(argv)
     if args.command == "status":
         return status_command(args.superlink, args.run_id, args.submitted)

@@ -31,6 +31,7 @@ from pipeline.results.tracking import end_if_running
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
 RUN_ID = re.compile(r"Successfully started run (\d+)")  # in the output of `flwr run`
+REGISTERED = b"SuperNode ID:"  # in a SuperNode's log: the SuperLink gave it an id
 
 
 def _tail(text: object) -> str:  # the end of a command's output or error, on one line
@@ -119,22 +120,19 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
     return 0 if status == "finished:completed" else 1
 
 
-def write_config_toml(path: Path, values: dict[str, str | int | float | bool]) -> str:
+def write_config_toml(path: Path, values: dict[str, str | int | float | bool], header: str = "") -> str:
     """A run config or node config file as Flower reads one (``flwr run --run-config F.toml``, ``flower-supernode
-    --node-config F.toml``: any value comes back as given); JSON's strings, numbers and booleans are TOML's too."""
-    atomic.write_text(path, "".join(f"{k} = {json.dumps(v, ensure_ascii=False)}\n" for k, v in values.items()))
+    --node-config F.toml``: any value comes back as given); JSON's strings, numbers and booleans are TOML's too.
+    ``header``: the TOML before the values (a table's name)."""
+    atomic.write_text(path, header + "".join(f"{k} = {json.dumps(v, ensure_ascii=False)}\n" for k, v in values.items()))
     return str(path)
 
 
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> None:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
-    security = (
-        f"root-certificates = {json.dumps(str(certificates.ca.resolve()))}" if certificates else "insecure = true"
-    )
-    atomic.write_text(
-        home / "config.toml",
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{HOST}:{port}"\n{security}\n',
-    )
+    security = {"root-certificates": str(certificates.ca.resolve())} if certificates else {"insecure": True}
+    header = f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+    write_config_toml(home / "config.toml", {"address": f"{HOST}:{port}"} | security, header)
 
 
 class LocalhostFederation(contextlib.AbstractContextManager):
@@ -189,9 +187,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
     def wait_registered(self, proc: Process) -> None:
         """Until the SuperNode logs the id the SuperLink gave it."""
         what = f"{proc.name} connecting to the SuperLink"
-        wait_for(
-            lambda: b"SuperNode ID:" in proc.log.read_bytes()[proc.offset :], self.cfg.startup_timeout_s, what, proc
-        )
+        wait_for(lambda: REGISTERED in proc.log.read_bytes()[proc.offset :], self.cfg.startup_timeout_s, what, proc)
 
     def start(self) -> None:
         security = ["--insecure"]
@@ -244,17 +240,13 @@ class LocalhostFederation(contextlib.AbstractContextManager):
                 shown.append(echo.decode(log.read(), final=ended))  # once ended: all it wrote
                 print(shown[-1], end="", flush=True)
                 if self.superlink is not None and not self.superlink.alive():
-                    raise FederationError(
-                        f"the SuperLink stopped during the run (status "
-                        f"{self.superlink.popen.returncode}); {self._resume_hint()}"
-                    )
+                    stopped = f"the SuperLink stopped during the run (status {self.superlink.popen.returncode})"
+                    raise FederationError(f"{stopped}; {self._resume_hint()}")
                 if ended:
                     break
                 if time.monotonic() > deadline:
-                    raise FederationError(
-                        f"the run did not finish within {self.cfg.run_timeout_s:.0f}s "
-                        f"(--run-timeout); {self._resume_hint()}"
-                    )
+                    late = f"the run did not finish within {self.cfg.run_timeout_s:.0f}s (--run-timeout)"
+                    raise FederationError(f"{late}; {self._resume_hint()}")
                 time.sleep(0.2)
         return subprocess.CompletedProcess(run.popen.args, run.popen.returncode, "".join(shown))
 

@@ -38,7 +38,7 @@ class Process:
 class ProcessGroup:
     """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float = 10.0):
+    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float):
         self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
         self.procs: list[Process] = []
         log_dir.mkdir(parents=True, exist_ok=True)
