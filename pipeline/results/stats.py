@@ -138,11 +138,7 @@ def _t(estimate: float, var: float, seed: tuple, ex: tuple, s: int, cfg: Bootstr
 
 
 def nested_interval(
-    per_seed: list[list[np.ndarray]],
-    cfg: BootstrapConfig,
-    clusters: list | None = None,
-    paired: bool = True,
-    crossed: bool = False,
+    per_seed: list[list[np.ndarray]], cfg: BootstrapConfig, clusters: list, paired: bool = True, crossed: bool = False
 ) -> Interval:
     """The client average's interval where each seed has its own test examples (a partition re-divided per seed):
     ``per_seed[s]`` one 1-D array a client (A - B on seed s's examples, or with ``paired=False`` one method's
@@ -152,7 +148,6 @@ def nested_interval(
     t of :func:`_seeds_t` (df_seed S - 1, df_ex the seeds' groups - clients summed); docs/statistics.md. With
     ``crossed`` every seed has the same test examples (a fixed test split): each client's seeds stacked
     [n_seeds, n_examples] into :func:`mean_interval`, seeds crossed with examples."""
-    clusters = clusters or [None] * len(per_seed)
     arrays = [[np.atleast_2d(np.asarray(x, dtype=float)) for x in xs] for xs in per_seed]
     if crossed or len(arrays) == 1:
         return mean_interval([np.vstack(x) for x in zip(*arrays)], cfg, clusters[0], paired)
