@@ -129,8 +129,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
     out = []
     runs_a, runs_b = (",".join(runs[s] for s in seeds) for runs in (seeds_a, seeds_b))
     rows = {(s, c): client_rows(frames[s], c, cids) for s in seeds for c, cids in ids[s].items()}  # selected once
-    complete = not any(lacking.values())
-    for scope, scope_clients in [(c, [c]) for c in clients] + [(AVERAGE, clients)] * complete:
+    for scope, scope_clients in [(c, [c]) for c in clients] + [(AVERAGE, clients)] * (not any(lacking.values())):
         flags = [x for c in scope_clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
         mostly_identical = identical > cfg.identical_warning  # NaN (no pair of summaries) is not above it
