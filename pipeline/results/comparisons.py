@@ -258,8 +258,7 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig) -> s
             f"| {r.config_a} | {b} | {delta} | {interval} | {format_p(r.p_value)} | {format_p(r.p_holm)} | {r.n_seeds} | "
             f"{r.n_examples} | {identical} |" + (f" {' / '.join(paper) or '–'} |" if backbones else "")
         )
-    n_identical = int(sub["mostly_identical"].sum())
-    if n_identical:
+    if n_identical := int(sub["mostly_identical"].sum()):
         lines += ["", f"⚠ {n_identical} of {len(sub)} comparisons above are between mostly identical summaries."]
     return "\n".join(lines) + "\n"
 
