@@ -42,9 +42,7 @@ class AnalyzeConfig:
 
 
 class Analysis:
-    def __init__(
-        self, cfg: AnalyzeConfig, experiments: list[Experiment], paths: ProjectPaths, file: str = "params.yaml"
-    ):
+    def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], paths: ProjectPaths, file: str):
         self.cfg, self.experiments, self.paths, self.file = cfg, experiments, paths, file  # file: the params read
         self.figures = paths.analysis / "figures"
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in

@@ -59,10 +59,10 @@ def effect(r) -> str:
     return f"{_num(r.mean_diff)} [{_num(r.ci_low)}, {_num(r.ci_high)}]"
 
 
-def _p(r) -> str:
-    """'Holm p = 0.012': the family-adjusted p the claims test."""
-    shown = comparisons.format_p(r.p_holm)
-    return f"Holm p {shown}" if shown.startswith("<") else f"Holm p = {shown}"
+def _p(p: float, relation: str = "=") -> str:
+    """'Holm p = 0.012': the family-adjusted p the claims test ('Holm p ≤ 0.012', rounded up: a bound)."""
+    shown = comparisons.format_p(p, up=relation != "=")
+    return f"Holm p {shown}" if shown.startswith("<") else f"Holm p {relation} {shown}"
 
 
 def _range(values: list[float]) -> str:
@@ -96,11 +96,8 @@ def _pair(r) -> str:
     parts = []
     for where, placed in PLACED.items():
         if bbs := [b for b in comparisons.BACKBONES if getattr(r, f"vs_published_{b}", "") == where]:
-            who = (
-                "all three backbones"
-                if len(bbs) == len(comparisons.BACKBONES) == 3
-                else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
-            )
+            # bbs are of the paper's three backbones (comparisons.BACKBONES): three are all of them
+            who = "all three backbones" if len(bbs) == 3 else ", ".join(PAPER_BACKBONE_NAMES[b] for b in bbs)
             parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {placed}")
     text = _difference(r) + (f", {r.n_seeds} seeds: numbers only" if r.few_seeds else "")
     return f"{text} (paper {'; '.join(parts)})" if parts else text
@@ -223,11 +220,9 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
         return []
     ahead = all(r.significant and r.mean_diff > 0 for r in central)
     head = "Pooling the data helps" if ahead else verdict(central, "Pooling the data", "helps against some methods")
-    worst_p = max(r.p_holm for r in central)
-    bound = math.ceil(worst_p * 1000 - 1e-9) / 1000  # rounded up: a bound every comparison's p meets
     # one p for the whole line only when it supports the line (every lead holds); else each comparison speaks
-    p_text = (" (Holm p < 0.001 each)" if worst_p < 0.001 else f" (Holm p ≤ {bound:.3f} each)") if ahead else ""
-    held = [f"{SHORT[r.method_b]} ({_p(r)})" for r in central if r.significant and r.mean_diff > 0]
+    p_text = f" ({_p(max(r.p_holm for r in central), '≤')} each)" if ahead else ""
+    held = [f"{SHORT[r.method_b]} ({_p(r.p_holm)})" for r in central if r.significant and r.mean_diff > 0]
     lines = [f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + "."]
     if held and not ahead:
         lines.append(f"  The lead holds against {', '.join(held)} only.")
@@ -302,7 +297,7 @@ def _per_client(per_client: pd.DataFrame) -> list[str]:
         return [
             f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD holds (closest: "
             f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, "
-            f"p = {comparisons.format_p(c.p_value)} unadjusted, {_p(c)}); no ordering among them is supported."
+            f"p = {comparisons.format_p(c.p_value)} unadjusted, {_p(c.p_holm)}); no ordering among them is supported."
         ]
     return [
         "- Per-client federated comparisons that hold: "
@@ -325,9 +320,9 @@ def _variants(avg: pd.DataFrame) -> list[str]:
         finding = (
             f"{r.n_seeds} seeds: numbers only"
             if r.few_seeds
-            else f"{changed} ROUGE ({_p(r)})"
+            else f"{changed} ROUGE ({_p(r.p_holm)})"
             if r.significant
-            else f"no difference detected ({_p(r)}), though the unadjusted interval excludes 0"
+            else f"no difference detected ({_p(r.p_holm)}), though the unadjusted interval excludes 0"
             if r.ci_low > 0 or r.ci_high < 0
             else f"no difference detected; this unadjusted interval excludes a gain above {_num(r.ci_high)} or a "
             f"loss beyond {_num(r.ci_low)}, not a smaller difference either way"

@@ -106,7 +106,8 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
     for s in sorted(set(seeds_a) & set(seeds_b)):
         fa, fb = per_example(eval_dir, seeds_a[s]), per_example(eval_dir, seeds_b[s])
         if fa is not None and fb is not None:
-            frames[s] = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
+            both = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
+            frames[s] = both.assign(**{k: both[f"{k}_a"] - both[f"{k}_b"] for k in SCORE_KEYS})  # A - B
     seeds = sorted(frames)
     ids = {s: shared_ids(frames[s]) for s in seeds}  # per seed, client: its examples
     if not any(ids.values()):
@@ -128,8 +129,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
     out = []
     runs_a, runs_b = (",".join(runs[s] for s in seeds) for runs in (seeds_a, seeds_b))
     rows = {(s, c): client_rows(frames[s], c, cids) for s in seeds for c, cids in ids[s].items()}  # selected once
-    complete = not any(lacking.values())
-    for scope, scope_clients in [(c, [c]) for c in clients] + [(AVERAGE, clients)] * complete:
+    for scope, scope_clients in [(c, [c]) for c in clients] + [(AVERAGE, clients)] * (not any(lacking.values())):
         flags = [x for c in scope_clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
         mostly_identical = identical > cfg.identical_warning  # NaN (no pair of summaries) is not above it
@@ -137,10 +137,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
         clusters = [meetings(ids[s][c] for c in scope_clients) for s in had]  # QMSum: a meeting's queries one cluster
         n_examples = len({i for s in had for c in scope_clients for i in ids[s][c]})  # distinct: a redrawn one once
         for metric in SCORE_KEYS:
-            d = [
-                [(rows[s, c][f"{metric}_a"] - rows[s, c][f"{metric}_b"]).to_numpy(float) for c in scope_clients]
-                for s in had
-            ]
+            d = [[rows[s, c][metric].to_numpy(float) for c in scope_clients] for s in had]
             r = nested_interval(d, cfg, clusters, crossed=not nested)
             # a row in COLUMNS order; p_holm and significant are with_holm's, over the study's family
             pair = (a.study, scope, a.method, b.method, a.label, b.label, b.study, metric)
@@ -169,15 +166,10 @@ def comparisons_table(
     for config in configs:
         # A non-private configuration outside the main study varies that study's configuration of its method on its
         # partition (a gate or tau of the tau sweep varies the main SelectKD).
-        varied = (
-            _plain(config, configs, "main")
-            if config.method in baselines and not config.dp and config.study != "main"
-            else None
-        )
+        ranked = config.method in baselines
+        varied = _plain(config, configs, "main") if ranked and not config.dp and config.study != "main" else None
         # A baseline is compared only with the baselines listed before it (fedavg vs single, not also the reverse).
-        against = (
-            baselines[: baselines.index(config.method)] if config.method in baselines and not varied else baselines
-        )
+        against = baselines[: baselines.index(config.method)] if ranked and not varied else baselines
         for method in against:
             base = varied if method == config.method else baseline_for(config, method, configs)
             if base is None:
@@ -213,17 +205,18 @@ def with_holm(table: pd.DataFrame, cfg: BootstrapConfig) -> pd.DataFrame:
     return out
 
 
-def format_p(p: float) -> str:
+def format_p(p: float, up: bool = False) -> str:
     """A p-value for tables and text: "< 0.001", else three decimals rounded *down*, so a p just below 0.05 (its
-    interval excludes 0) never prints as 0.050."""
+    interval excludes 0) never prints as 0.050; with ``up`` rounded up (a bound the p of each comparison meets)."""
     if p is None or math.isnan(p):
         return "–"
-    return "< 0.001" if p < 0.001 else f"{math.floor(p * 1000 + 1e-9) / 1000:.3f}"
+    rounded = math.ceil(p * 1000 - 1e-9) if up else math.floor(p * 1000 + 1e-9)
+    return "< 0.001" if p < 0.001 else f"{rounded / 1000:.3f}"
 
 
-def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metric: str = "avg_rouge") -> str:
-    """The study's paired comparisons on the client average, as markdown (empty when it has none)."""
-    sub = table[(table["study"] == study) & (table["client"] == AVERAGE) & (table["metric"] == metric)]
+def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig) -> str:
+    """The study's paired comparisons on the client average of avg_rouge, as markdown (empty when it has none)."""
+    sub = table[(table["study"] == study) & (table["client"] == AVERAGE) & (table["metric"] == "avg_rouge")]
     if sub.empty:
         return ""
     level = f"{cfg.level:.0%}"
@@ -233,7 +226,7 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
     paper_head = f" paper's Δ ({' / '.join(backbones)}): where it sits against our interval |" if backbones else ""
     lines = [
         "",
-        f"## Paired comparisons (client average of `{metric}`, A − B)",
+        "## Paired comparisons (client average of `avg_rouge`, A − B)",
         "",
         "Seeds and test examples paired (pipeline/results/stats.py): with one seed a bootstrap over test examples "
         f"({cfg.n_resamples} replicates, seed {cfg.seed}), a QMSum meeting's queries resampled together, once for "
@@ -265,8 +258,7 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
             f"| {r.config_a} | {b} | {delta} | {interval} | {format_p(r.p_value)} | {format_p(r.p_holm)} | {r.n_seeds} | "
             f"{r.n_examples} | {identical} |" + (f" {' / '.join(paper) or '–'} |" if backbones else "")
         )
-    n_identical = int(sub["mostly_identical"].sum())
-    if n_identical:
+    if n_identical := int(sub["mostly_identical"].sum()):
         lines += ["", f"⚠ {n_identical} of {len(sub)} comparisons above are between mostly identical summaries."]
     return "\n".join(lines) + "\n"
 

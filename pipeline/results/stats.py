@@ -68,14 +68,13 @@ def spans_clients(clusters: list) -> bool:
     return len(np.unique(np.concatenate([np.asarray(c) for c in clusters]))) < sum(len(np.unique(c)) for c in clusters)
 
 
-def _one_seed(
+def _replicates(
     per_client: list[np.ndarray], groups: list[np.ndarray], cfg: BootstrapConfig, joint: list[np.ndarray] | None = None
-) -> tuple[Interval, np.ndarray]:
-    """The percentile interval of one seed's client average (per-client arrays [1, n_c]; p NaN) and its B
-    bootstrap replicates: each client's groups (its examples, or its meetings) drawn with replacement, the
-    replicate's client mean = the drawn groups' score sum over their example count; with ``joint`` (groups that span
-    clients) the groups of all clients drawn once for all (a replicate where a client drew none of its own is left
-    out)."""
+) -> np.ndarray:
+    """The B bootstrap replicates of one seed's client average (per-client arrays [1, n_c]): each client's groups
+    (its examples, or its meetings) drawn with replacement, the replicate's client mean = the drawn groups' score sum
+    over their example count; with ``joint`` (groups that span clients) the groups of all clients drawn once for all
+    (a replicate where a client drew none of its own is left out)."""
     rng = np.random.default_rng(cfg.seed)
     total, n_all = np.zeros(cfg.n_resamples), 0 if joint is None else int(max(j.max() for j in joint)) + 1
     shared = rng.integers(0, n_all, size=(cfg.n_resamples, n_all)) if n_all else None
@@ -84,10 +83,7 @@ def _one_seed(
         idx = rng.integers(0, len(sums), size=(cfg.n_resamples, len(sums))) if shared is None else shared
         with np.errstate(invalid="ignore"):
             total += sums[idx].sum(axis=1) / sizes[idx].sum(axis=1)
-    reps, alpha = total[~np.isnan(total)] / len(per_client), 1.0 - cfg.level
-    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
-    observed = float(np.mean([a.mean() for a in per_client]))
-    return Interval(observed, float(low), float(high), math.nan, 1), reps
+    return total[~np.isnan(total)] / len(per_client)
 
 
 def _cluster_variance(xs: list[np.ndarray], gs: list[np.ndarray]) -> float:
@@ -138,11 +134,7 @@ def _t(estimate: float, var: float, seed: tuple, ex: tuple, s: int, cfg: Bootstr
 
 
 def nested_interval(
-    per_seed: list[list[np.ndarray]],
-    cfg: BootstrapConfig,
-    clusters: list | None = None,
-    paired: bool = True,
-    crossed: bool = False,
+    per_seed: list[list[np.ndarray]], cfg: BootstrapConfig, clusters: list, paired: bool = True, crossed: bool = False
 ) -> Interval:
     """The client average's interval where each seed has its own test examples (a partition re-divided per seed):
     ``per_seed[s]`` one 1-D array a client (A - B on seed s's examples, or with ``paired=False`` one method's
@@ -152,7 +144,6 @@ def nested_interval(
     t of :func:`_seeds_t` (df_seed S - 1, df_ex the seeds' groups - clients summed); docs/statistics.md. With
     ``crossed`` every seed has the same test examples (a fixed test split): each client's seeds stacked
     [n_seeds, n_examples] into :func:`mean_interval`, seeds crossed with examples."""
-    clusters = clusters or [None] * len(per_seed)
     arrays = [[np.atleast_2d(np.asarray(x, dtype=float)) for x in xs] for xs in per_seed]
     if crossed or len(arrays) == 1:
         return mean_interval([np.vstack(x) for x in zip(*arrays)], cfg, clusters[0], paired)
@@ -177,17 +168,17 @@ def mean_interval(
     :func:`paired_difference`."""
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in per_client]
     seeds, groups, joint = _checked(arrays, clusters)
+    observed = float(np.mean([a.mean() for a in arrays]))
     if paired and any(g.max() == 0 for g in groups):  # a client of one meeting (or example): its spread is unknown
-        return Interval(float(np.mean([d.mean() for d in arrays])), *[math.nan] * 3, seeds)
+        return Interval(observed, *[math.nan] * 3, seeds)
     if seeds > 1:
         r = _seeds_t(arrays, groups, cfg, joint)
         return r if paired else dataclasses.replace(r, p_value=math.nan)
-    interval, reps = _one_seed(arrays, groups, cfg, joint)
-    if not paired:
-        return interval
+    reps, alpha = _replicates(arrays, groups, cfg, joint), 1.0 - cfg.level
+    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])  # the percentile interval
     # one seed: p is the interval's dual, the smallest 1 - level at which it excludes 0
     p = max(1.0 / (1 + len(reps)), min(1.0, _level_excluding_zero(reps), _level_excluding_zero(-reps)))
-    return dataclasses.replace(interval, p_value=p)
+    return Interval(observed, float(low), float(high), p if paired else math.nan, 1)
 
 
 def paired_difference(
@@ -248,7 +239,6 @@ def meetings(ids_per_client: Iterable[Iterable[str]]) -> list[np.ndarray] | None
 
 def bootstrap_method(clusters: list[np.ndarray] | None) -> str:
     """How the evaluate stage's intervals resampled (clusters: :func:`meetings`), in words: metrics.json ci.method."""
-    unit = "test examples" if clusters is None else "meetings (with all their queries)"
-    what = "test examples" if clusters is None else "test meetings"
+    unit, what = ("test examples",) * 2 if clusters is None else ("meetings (with all their queries)", "test meetings")
     where = "once for every client" if clusters is not None and spans_clients(clusters) else "within clients"
     return f"percentile bootstrap of the client average, {unit} resampled {where} (one seed: the choice of {what} only)"
