@@ -37,7 +37,9 @@ class PresetError(ValueError):
 
 
 def load_preset(path: str | Path, params_file: str | Path | None = None) -> dict[str, Any]:
-    """The preset file ``path``; with ``params_file``, checked against it first (every :func:`problems`, one error)."""
+    """The preset file ``path``; with ``params_file`` (read first: a bad one is named before the preset), checked
+    against it (every :func:`problems`, one error)."""
+    params = load_params(params_file) if params_file is not None else None
     if not Path(path).is_file():
         raise PresetError(f"{path}: preset file not found")
     try:  # read as params.yaml is: not YAML (a duplicate key, not UTF-8) or not a mapping, one line naming it
@@ -46,7 +48,7 @@ def load_preset(path: str | Path, params_file: str | Path | None = None) -> dict
         raise PresetError(str(e)) from None
     if not data:
         raise PresetError(f"{path}: a preset must be a non-empty mapping with params.yaml's nested layout")
-    if params_file is not None and (bad := problems(data, load_params(params_file), str(params_file))):
+    if params is not None and (bad := problems(data, params, str(params_file))):
         raise PresetError(f"{path}: {len(bad)} problem(s): " + "; ".join(bad))
     return data
 
