@@ -36,7 +36,10 @@ class PresetError(ValueError):
     """A preset names unknown keys or has the wrong shape; the message names the file and every bad key."""
 
 
-def load_preset(path: str | Path) -> dict[str, Any]:
+def load_preset(path: str | Path, params_file: str | Path | None = None) -> dict[str, Any]:
+    """The preset file ``path``; with ``params_file`` (read first: a bad one is named before the preset), checked
+    against it (every :func:`problems`, one error)."""
+    params = load_params(params_file) if params_file is not None else None
     if not Path(path).is_file():
         raise PresetError(f"{path}: preset file not found")
     try:  # read as params.yaml is: not YAML (a duplicate key, not UTF-8) or not a mapping, one line naming it
@@ -45,6 +48,8 @@ def load_preset(path: str | Path) -> dict[str, Any]:
         raise PresetError(str(e)) from None
     if not data:
         raise PresetError(f"{path}: a preset must be a non-empty mapping with params.yaml's nested layout")
+    if params is not None and (bad := problems(data, params, str(params_file))):
+        raise PresetError(f"{path}: {len(bad)} problem(s): " + "; ".join(bad))
     return data
 
 
@@ -104,11 +109,6 @@ def problems(preset: dict[str, Any], params: dict[str, Any], file: str = "params
     return list(dict.fromkeys(found))  # a group the preset broke fails every entry alike: named once
 
 
-def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "preset", file: str = "params.yaml") -> None:
-    if bad := problems(preset, params, file):
-        raise PresetError(f"{source}: {len(bad)} problem(s): " + "; ".join(bad))
-
-
 def hydra_value(value: Any) -> str:
     """A value in Hydra's override grammar (what ``dvc exp run -S`` parses), by Hydra's own writer; strings quoted."""
     from hydra.core.override_parser.types import Override, Quote, QuotedString  # lazy: importing Hydra takes ~0.1 s
@@ -146,8 +146,7 @@ def run_commands(
     ``by``, a long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
     named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which
     trains nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
-    preset = load_preset(preset_path)
-    validate(preset, load_params(params_file), str(preset_path), str(params_file))
+    preset = load_preset(preset_path, params_file)
     parts = {}
     if by is not None:
         if not (entries := preset.get("experiments")):
@@ -172,22 +171,18 @@ def run_commands(
     return commands
 
 
-def experiment_commit(name: str) -> tuple[str, str]:
-    """(commit, ref) of the newest DVC experiment called ``name`` (DVC keeps it as a git ref under refs/exps)."""
-    command = ["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)", "refs/exps/"]
-    listed = subprocess.run(command, capture_output=True, text=True, check=True).stdout.split("\n")
-    if not (found := [line.split(" ", 1) for line in listed if line.endswith("/" + name)]):
-        raise PresetError(f"no DVC experiment named {name!r} in {Path.cwd()} (see `dvc exp list --all-commits`)")
-    return found[0][0], found[0][1]
-
-
 def export_experiment(name: str, dest: str | Path, paths: list[str]) -> list[str]:
     """Copy the experiment's params.yaml, dvc.lock and ``paths`` (globs allowed; ``SRC=TARGET`` renames) into
     ``dest`` and write ``dest/EXPERIMENT.yaml`` naming the experiment, its commit and what was copied. Returns the
     files written, relative to ``dest``. A path the experiment does not have is an error naming it."""
     from dvc.api import DVCFileSystem  # lazy: importing dvc.api takes ~0.2-0.4 s
 
-    commit, ref = experiment_commit(name)
+    # the newest DVC experiment called ``name`` (DVC keeps it as a git ref under refs/exps)
+    command = ["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)", "refs/exps/"]
+    listed = subprocess.run(command, capture_output=True, text=True, check=True).stdout.split("\n")
+    if not (found := [line.split(" ", 1) for line in listed if line.endswith("/" + name)]):
+        raise PresetError(f"no DVC experiment named {name!r} in {Path.cwd()} (see `dvc exp list --all-commits`)")
+    commit, ref = found[0]
     fs, dest, written = DVCFileSystem(".", rev=commit), Path(dest), []
     for spec in ["params.yaml", "dvc.lock", *paths]:
         src, _, target = spec.partition("=")
@@ -247,11 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
         return 0
     if args.command in ("show", "check"):
-        params = load_params(args.params)  # run_commands reads its own
         for path in [args.preset] if args.command == "show" else args.presets:
-            preset = load_preset(path)
-            validate(preset, params, path, args.params)
-            found = overrides(preset)
+            found = overrides(load_preset(path, args.params))
             print("\n".join(found) if args.command == "show" else f"{path}: ok ({len(found)} overrides)")
         return 0
     if args.parts and not args.name:

@@ -333,13 +333,16 @@ def test_the_dp_loss_scale_counts_target_tokens_over_t_max_or_non_empty_sequence
     assert per_example_loss_scale(batch, "sequences", max_target_length=4) == 2.0
 
 
-def test_accumulation_weights_count_only_sequences_with_a_target_token():
-    from pipeline.training.client_training import accumulation_weights
+def test_accumulation_steps_weigh_only_sequences_with_a_target_token():
+    from pipeline.training.client_training import accumulation_steps
+
+    def weights(*args):  # each batch's weight in its step, in order
+        return [w for step in accumulation_steps(*args) for _, w in step]
 
     b1 = _labelled([5, 6, -100], [-100, -100, -100])  # one sequence with targets, one empty
     b2 = _labelled([7, 8, 9])
-    assert accumulation_weights([b1, b2], 2, "sequences") == [0.5, 0.5]
-    assert accumulation_weights([b1, b2], 2, "tokens") == [0.4, 0.6]
+    assert weights([b1, b2], 2, "sequences") == [0.5, 0.5]
+    assert weights([b1, b2], 2, "tokens") == [0.4, 0.6]
 
 
 def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_position():
@@ -438,7 +441,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     the examples into batches of batch_size can have), grad_accum_steps of them per optimizer step, each weighted
     by its target tokens over its window's (train.loss_normalisation tokens)."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.training.client_training import _accumulation_steps
+    from pipeline.training.client_training import _batches, accumulation_steps
     from pipeline.training.shared_model import shared_model
 
     plan = load_plan(
@@ -454,7 +457,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     model, examples = shared_model(plan), _varied_targets()
     tokens = sorted(_target_tokens(model, plan, examples))
     least_padding = sum(max(pair) * len(pair) - sum(pair) for pair in (tokens[i : i + 2] for i in range(0, 10, 2)))
-    steps = _accumulation_steps(model, examples, plan, seed=3)
+    steps = accumulation_steps(_batches(model, examples, plan, True, 3, plan.train.bucket_by_length), 2, "tokens")
     batches = [b for step in steps for b, _ in step]
     assert [len(step) for step in steps] == [2, 2, 1]  # 5 batches of 2: windows of 2
     assert sorted(e for b in batches for e in b.example_ids) == sorted(examples["example_id"])
@@ -500,13 +503,13 @@ def test_each_local_epoch_reshuffles_the_batches(ws, monkeypatch):
     from pipeline.training import client_training as local
 
     seeds = []
-    real = local._accumulation_steps
+    real = local._batches
 
-    def spy(model, examples, plan, seed):
+    def spy(model, examples, plan, shuffle, seed, bucket):
         seeds.append((plan.train.loss_normalisation, seed))
-        return real(model, examples, plan, seed)
+        return real(model, examples, plan, shuffle, seed, bucket)
 
-    monkeypatch.setattr(local, "_accumulation_steps", spy)
+    monkeypatch.setattr(local, "_batches", spy)
     plan, model, train, w0 = _setup("local-epochs-shuffle", lr=5e-3, batch_size=2, local_epochs=3)
     _train(plan, model, train)
     assert len({seed for _, seed in seeds}) == 3 and {n for n, _ in seeds} == {"tokens"}

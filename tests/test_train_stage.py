@@ -238,28 +238,35 @@ def _batch(lengths: list[int]):
     )
 
 
+def _weights(*args) -> list[float]:
+    """Each batch's weight in its optimizer step (client_training.accumulation_steps), in batch order."""
+    from pipeline.training.client_training import accumulation_steps
+
+    return [w for step in accumulation_steps(*args) for _, w in step]
+
+
 def test_accumulated_micro_batches_weigh_as_one_token_mean():
     """Window of 2 micro-batches with 6 and 2 target tokens: weights 6/8 and 2/8, so the accumulated gradient
     is the token mean over all 8 tokens; a trailing single batch forms its own step (weight 1)."""
-    from pipeline.training.client_training import accumulation_weights
-
     batches = [_batch([4, 2]), _batch([2]), _batch([3, 3, 1])]
-    assert accumulation_weights(batches, 2, "tokens") == [6 / 8, 2 / 8, 1.0]
-    assert accumulation_weights(batches, 1, "tokens") == [1.0, 1.0, 1.0]
-    assert accumulation_weights(batches, 3, "sequences") == [2 / 6, 1 / 6, 3 / 6]
+    assert _weights(batches, 2, "tokens") == [6 / 8, 2 / 8, 1.0]
+    assert _weights(batches, 1, "tokens") == [1.0, 1.0, 1.0]
+    assert _weights(batches, 3, "sequences") == [2 / 6, 1 / 6, 3 / 6]
+    from pipeline.training.client_training import accumulation_steps
+
+    steps = accumulation_steps(batches, 2, "tokens")  # the steps are the batches in order, in windows of 2
+    assert [len(step) for step in steps] == [2, 1] and all(b is c for (b, _), c in zip(sum(steps, []), batches))
 
 
 def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
     """The identity the weights exist for: sum_b w_b * mean_b(l) == mean over the union of the batches."""
     import torch
 
-    from pipeline.training.client_training import accumulation_weights
-
     torch.manual_seed(0)
     theta = torch.randn(3, requires_grad=True)
     lengths = [[5, 1], [2]]
     xs = [torch.randn(sum(n), 3) for n in lengths]
-    weights = accumulation_weights([_batch(n) for n in lengths], 2, "tokens")
+    weights = _weights([_batch(n) for n in lengths], 2, "tokens")
     sum(w * (x @ theta).pow(2).mean() for w, x in zip(weights, xs)).backward()
     accumulated = theta.grad.clone()
     theta.grad = None

@@ -98,16 +98,17 @@ class LocalTrainResult:
     dp_clipped: int = 0
 
 
-def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: str) -> list[float]:
-    """Per batch, its weight in the optimizer step it belongs to (consecutive windows of ``accum_steps`` batches,
-    the last one possibly shorter): its target tokens (``tokens``) or sequences (``sequences``) over the window's,
-    so accumulated micro-batch means add up to the mean over the effective batch."""
+def accumulation_steps(batches: list[Batch], accum_steps: int, normalisation: str) -> list[list[tuple[Batch, float]]]:
+    """``batches`` as optimizer steps (consecutive windows of ``accum_steps`` batches, the last one possibly shorter),
+    each batch with its weight in its step: its target tokens (``tokens``) or sequences (``sequences``) over the
+    window's, so accumulated micro-batch means add up to the mean over the effective batch."""
     sizes = [
         b.target_tokens if normalisation == "tokens" else int(((b.labels != IGNORE_INDEX).sum(dim=1) > 0).sum())
         for b in batches
     ]
-    windows = [sizes[start : start + accum_steps] for start in range(0, len(sizes), accum_steps)]
-    return [n / sum(window) for window in windows for n in window]
+    pairs = list(zip(batches, sizes))
+    windows = [pairs[start : start + accum_steps] for start in range(0, len(pairs), accum_steps)]
+    return [[(b, n / sum(m for _, m in window)) for b, n in window] for window in windows]
 
 
 def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: int) -> float:
@@ -118,16 +119,6 @@ def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: 
     if normalisation == "tokens":
         return batch.target_tokens / max_target_length
     return float(int(((batch.labels != IGNORE_INDEX).sum(dim=1) > 0).sum()))
-
-
-def _accumulation_steps(
-    model: AdapterSummarizer, examples: pd.DataFrame, plan: Plan, seed: int
-) -> list[list[tuple[Batch, float]]]:
-    """One epoch's steps: shuffled batches in windows of ``grad_accum_steps``, each with its share of the step."""
-    cfg = plan.train
-    batches = _batches(model, examples, plan, True, seed, cfg.bucket_by_length)
-    pairs = list(zip(batches, accumulation_weights(batches, cfg.grad_accum_steps, cfg.loss_normalisation)))
-    return [pairs[i : i + cfg.grad_accum_steps] for i in range(0, len(pairs), cfg.grad_accum_steps)]
 
 
 class Proximal:
@@ -187,8 +178,12 @@ def train_local(
     try:
         if stepper is None:
             local.requires_grad_(False)
-            epochs = range(cfg.local_epochs)
-            steps = [step for e in epochs for step in _accumulation_steps(model, examples, plan, derived_seed(seed, e))]
+            # each epoch's shuffled batches in windows of grad_accum_steps, each with its share of the step
+            epochs = [
+                _batches(model, examples, plan, True, derived_seed(seed, e), cfg.bucket_by_length)
+                for e in range(cfg.local_epochs)
+            ]
+            steps = [s for b in epochs for s in accumulation_steps(b, cfg.grad_accum_steps, cfg.loss_normalisation)]
             job = LocalJob(model, plan, client, rnd, kd, steps, masks, proximal, cache, progress)
             done = set_engine.batched(job, local_batch.train_jobs)
             model.load_adapter_state("local", done.state)
