@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from pipeline.experiments.plans import Plan
@@ -41,12 +39,12 @@ from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
-from pipeline.training.history import Recorder, RoundLog, history_row
+from pipeline.training.history import Recorder, history_row, training_rounds
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 from pipeline.training.set_engine import rng_state, set_rng_state
 from pipeline.training.shared_model import initial_adapter_state
-from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
+from pipeline.training.stopping import mean_val_loss_by_round, plateaued
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -117,19 +115,18 @@ def run_server(
     # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
     strategy, client_level = privacy.client_level(plan, strategy, len(declared))
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
-    start, arrays, history = _resume(plan, strategy, ckpt)
-    state = arrays.to_torch_state_dict()  # the global as tensors, converted once each time it changes
-    recorder.started(plan, clients, start)
+    if ckpt is not None:  # its strategy state and random generators restored
+        restore_strategy_state(strategy, ckpt["strategy_state"])
+        set_rng_state(ckpt["rng"])
+    # the global as CPU float32 tensors (replaced each time it changes), the checkpoint's as saved
+    state = dict(ckpt["arrays"]) if ckpt is not None else initial_adapter_state(plan)
+    history = list(ckpt["history"]) if ckpt is not None else []
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
     config = {"plan": plan_path, PLAN_HASH: plan.hash, **(client_settings_config(cache) if cache else {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
-    for rnd in range(start, t.rounds + 1):
-        if should_stop(history, t.stop, late):  # train.stop: converged (checked first: a resumed run too)
-            log.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
-            break
-        t0 = time.perf_counter()
+    for rnd in training_rounds(plan, recorder, clients, ckpt, history, log, late):
         if late is not None and joined_at is None and new_client_joins(rnd, history, late, t.join):
             joined_at = rnd
             log.info(
@@ -180,23 +177,9 @@ def run_server(
         eval_downlink = encode_global(state, plan) if (spec.local_from_global and eval_messages) else ArrayRecord()
         _evaluate(exchange, eval_messages, eval_downlink)
 
-        round_rows = [rows[c] for c in sorted(rows)]
-        history.extend(round_rows)
+        history.extend(rows[c] for c in sorted(rows))
         save_server_checkpoint(plan, rnd, state, strategy, history)
-        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows), history)
     return ArrayRecord.from_torch_state_dict(state), history
-
-
-def _resume(plan: Plan, strategy, ckpt: dict[str, Any] | None) -> tuple[int, ArrayRecord, list[dict]]:
-    """The first round, the global adapter and the history: from the server checkpoint ``ckpt`` (its strategy state
-    and random generators restored) if there is one, else round 1 from the initial adapter."""
-    if ckpt is None:
-        return 1, ArrayRecord.from_torch_state_dict(initial_adapter_state(plan)), []
-    start = int(ckpt["round"]) + 1
-    restore_strategy_state(strategy, ckpt["strategy_state"])
-    set_rng_state(ckpt["rng"])
-    log.info("%s: resuming after round %d", plan.experiment, start - 1)
-    return start, ArrayRecord({k: Array(np.asarray(v)) for k, v in ckpt["arrays"].items()}), list(ckpt["history"])
 
 
 def _round_rows(

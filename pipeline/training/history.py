@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.experiments.plans import Plan
-from pipeline.training.stopping import by_round, round_mean
+from pipeline.training.stopping import by_round, round_mean, should_stop
 
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
@@ -44,6 +46,26 @@ class RoundLog:
     round: int
     seconds: float
     rows: list[dict[str, Any]]
+
+
+def training_rounds(
+    plan: Plan, recorder, clients: list[str], ckpt: dict | None, history: list[dict], logger, late: str | None = None
+) -> Iterator[int]:
+    """The rounds a run trains (the server's loop and the serverless one): after the round checkpoint ``ckpt`` (None:
+    from round 1) to train.rounds, unless train.stop ends the run first (checked before each round: a resumed run too;
+    ``late``: stopping.should_stop's). The caller's loop body extends ``history`` by its round's rows and checkpoints
+    the round; then the round, timed with its checkpoint, goes to ``recorder``."""
+    start = int(ckpt["round"]) + 1 if ckpt is not None else 1
+    if ckpt is not None:
+        logger.info("%s: resuming after round %d", plan.experiment, start - 1)
+    recorder.started(plan, clients, start)
+    for rnd in range(start, plan.train.rounds + 1):
+        if should_stop(history, plan.train.stop, late):
+            logger.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
+            return
+        t0, done = time.perf_counter(), len(history)
+        yield rnd
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, history[done:]), history)
 
 
 def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) -> dict[str, Any]:

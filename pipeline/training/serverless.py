@@ -4,7 +4,6 @@ client): the local trainer and the round rules of pipeline.training, without a s
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import numpy as np
@@ -16,10 +15,9 @@ from pipeline.experiments.settings import CacheConfig
 from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, client_names
-from pipeline.training.history import RoundLog, TrainRecorder, history_row
+from pipeline.training.history import TrainRecorder, history_row, training_rounds
 from pipeline.training.set_engine import park
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
-from pipeline.training.stopping import should_stop
 
 log = logging.getLogger("fedmeet.train")
 
@@ -54,19 +52,12 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
 
     ckpt_path = checkpoints.local_checkpoint_path(plan)
     if (ckpt := checkpoints.load_round_checkpoint(ckpt_path, plan)) is not None:
-        start, adapters, progress, history = ckpt["round"] + 1, ckpt["adapters"], ckpt["progress"], ckpt["history"]
-        log.info("%s: resuming after round %d", plan.experiment, start - 1)
+        adapters, progress, history = ckpt["adapters"], ckpt["progress"], ckpt["history"]
     else:
-        start, history = 1, []
-        adapters = {u: initial_adapter_state(plan) for u in units}  # a copy each
+        history, adapters = [], {u: initial_adapter_state(plan) for u in units}  # a copy each
         progress = {n: checkpoints.initial_progress() for n in names}
-    recorder.started(plan, names, start)
 
-    for rnd in range(start, plan.train.rounds + 1):
-        if should_stop(history, plan.train.stop):  # train.stop: converged (checked first: a resumed run too)
-            log.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
-            break
-        t0 = time.perf_counter()
+    for rnd in training_rounds(plan, recorder, names, ckpt, history, log):
 
         def train(unit: str, rnd: int = rnd) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             train_df = units[unit]
@@ -84,17 +75,14 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
         trained: dict[str, dict[str, Any]] = {}
         for unit, (state, metrics) in zip(units, park(train, list(units))):
             adapters[unit], trained[unit] = state, metrics
-        rows = []
         for n, (val, val_tokens) in zip(names, park(validate, names)):
             unit = unit_of[n]
             progress[n] = checkpoints.keep_best_and_final(
                 checkpoints.client_output_dir(plan, n), plan, n, rnd, val, adapters[unit], progress[n]
             )
             validated = {"val_loss": val, "val_tokens": val_tokens, "best_round": progress[n]["best-round"]}
-            rows.append(history_row(rnd, n, 1) | trained[unit] | validated)
-        history.extend(rows)
+            history.append(history_row(rnd, n, 1) | trained[unit] | validated)
         checkpoints.save_round_checkpoint(
             ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress, "history": history}
         )
-        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows), history)
     return history
