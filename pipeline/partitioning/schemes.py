@@ -111,12 +111,11 @@ def by_domain(examples: pd.DataFrame, domains: list[str]) -> Partition:
 def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     """Each domain's split cut into n equal random parts; client i gets part i of every domain and split."""
     pool = qmsum_pool(examples)
-    names = cfg.iid.client_names()
-    part = _empty(names, dict(zip(pool.example_id, pool.domain)))
+    part = _empty(cfg.iid.client_names(), dict(zip(pool.example_id, pool.domain)))
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ids = np.array(_ids(pool[(pool.domain == domain) & (pool.split == split)]))
-            for name, chunk in zip(names, np.array_split(rng.permutation(ids), len(names))):
+            for name, chunk in zip(part.clients, np.array_split(rng.permutation(ids), len(part.clients))):
                 part.clients[name][split] += chunk.tolist()
     return part
 
@@ -154,7 +153,6 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
     bounded."""
     q = cfg.quantity
     pool = qmsum_pool(examples)
-    names = q.client_names()
     split_ids = {s: np.array(_ids(pool[pool.split == s])) for s in SPLITS}
     for _ in range(MAX_DIRICHLET_REDRAWS):
         z = rng.dirichlet(np.full(q.n_clients, q.beta))
@@ -166,9 +164,9 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
             f"partition.quantity: no Dir({q.beta}) draw in {MAX_DIRICHLET_REDRAWS} gave every one of "
             f"{q.n_clients} clients {q.min_per_split} example(s) per split; raise beta or lower min_per_split"
         )
-    part = _empty(names, dict(zip(pool.example_id, pool.domain)))
+    part = _empty(q.client_names(), dict(zip(pool.example_id, pool.domain)))
     for split, ids in split_ids.items():
-        for name, chunk in zip(names, np.split(rng.permutation(ids), np.cumsum(counts[split])[:-1])):
+        for name, chunk in zip(part.clients, np.split(rng.permutation(ids), np.cumsum(counts[split])[:-1])):
             part.clients[name][split] = chunk.tolist()
     return part
 
@@ -180,19 +178,18 @@ def label_skew(
     Each client draws one label mix ``q_c ~ Dir(alpha * p)`` with ``p`` the global label proportions. Per split,
     clients get equal shares of the examples; each slot picks a label from ``q_c`` (renormalised over labels still
     available) and takes a random remaining example with that label. Every example is assigned."""
-    names = cfg.client_names()
     label_of = label_of or dict(zip(pool.example_id, pool.domain))
     labels = sorted(set(label_of.values()))
     all_labels = np.array([label_of[i] for i in pool.example_id])
     p = np.array([(all_labels == lab).mean() for lab in labels])
     mixes = rng.dirichlet(cfg.alpha * p, size=cfg.n_clients)  # row c = q_c
-    part = _empty(names, dict(label_of))
+    part = _empty(cfg.client_names(), dict(label_of))
     for split in SPLITS:
         ids = _ids(pool[pool.split == split])
         remaining = {lab: [i for i in ids if label_of[i] == lab] for lab in labels}
         for lab in labels:
             rng.shuffle(remaining[lab])
-        for c, (name, size) in enumerate(zip(names, [len(a) for a in np.array_split(ids, cfg.n_clients)])):
+        for c, (name, size) in enumerate(zip(part.clients, [len(a) for a in np.array_split(ids, cfg.n_clients)])):
             for _ in range(size):
                 avail = np.array([len(remaining[lab]) > 0 for lab in labels])
                 w = mixes[c] * avail
