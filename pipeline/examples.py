@@ -22,8 +22,8 @@ from pipeline.paths import PATHS
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_params(ap)
-    ap.add_argument("--interim-dir", default=str(PATHS.interim_dir))
-    ap.add_argument("--report-dir", default=str(PATHS.data_reports))
+    ap.add_argument("--interim-dir", type=Path, default=PATHS.interim_dir)
+    ap.add_argument("--report-dir", type=Path, default=PATHS.data_reports)
     ap.add_argument("--out", default=str(PATHS.examples))
     args = ap.parse_args(argv)
     with stage_timer("examples"):  # wall time, peak RSS -> reports/timing/
@@ -33,16 +33,15 @@ def main(argv: list[str] | None = None) -> None:
         datasets = group(params, "ingest", args.params).get("datasets")
         if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
             raise ConfigError(f"{args.params} ingest.datasets: expected a list of dataset names, got {datasets!r}")
-        interim = {ds: pd.read_parquet(Path(args.interim_dir) / f"{ds}.parquet") for ds in datasets}
+        interim = {ds: pd.read_parquet(args.interim_dir / f"{ds}.parquet") for ds in datasets}
         examples, link_report = build_examples(interim, cfg)
-        report_dir = Path(args.report_dir)
         skipped = {
-            ds: json.loads((report_dir / f"ingest_{ds}.json").read_text())["skipped_by_reason"] for ds in datasets
+            ds: json.loads((args.report_dir / f"ingest_{ds}.json").read_text())["skipped_by_reason"] for ds in datasets
         }
         stats = table_ii(examples)
         atomic.to_parquet(examples, args.out, index=False)
-        atomic.write_json(report_dir / "stats.json", {**stats, "skipped": skipped, "meeting_links": link_report})
-        atomic.write_text(report_dir / "stats.md", stats_markdown(stats, skipped, link_report))
+        atomic.write_json(args.report_dir / "stats.json", {**stats, "skipped": skipped, "meeting_links": link_report})
+        atomic.write_text(args.report_dir / "stats.md", stats_markdown(stats, skipped, link_report))
         print(f"{len(examples)} examples -> {args.out}")
 
 

@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"
         atomic.write_json(out, partitions.partition_json(part, args.scheme, args.seed, cfg), indent=1)
         stats = partitions.partition_stats(part, examples, args.scheme, args.seed)
-        report_dir = Path(args.report_dir)
-        atomic.write_json(report_dir / f"{args.scheme}-seed{args.seed}.json", stats)
-        partitions.plot_stats(stats, report_dir / f"{args.scheme}-seed{args.seed}.png")
+        report = Path(args.report_dir) / f"{args.scheme}-seed{args.seed}"
+        atomic.write_json(report.with_suffix(".json"), stats)
+        partitions.plot_stats(stats, report.with_suffix(".png"))
         sizes = {n: c["sizes"] for n, c in stats["clients"].items()}
         print(f"{args.scheme} seed {args.seed}: {sizes}; excluded {len(part.excluded)}")
 

@@ -72,9 +72,8 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
-    with replacing(path) as tmp:
-        tmp.write_text(text, encoding=encoding)
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, **kwargs: Any) -> None:

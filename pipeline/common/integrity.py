@@ -25,12 +25,12 @@ def file_hash(path: Path, algorithm: str = "sha256") -> str:
         return hashlib.file_digest(fh, algorithm).hexdigest()
 
 
-def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
+def sha256_dir(path: Path) -> str:
     """Content hash of a directory (the backbone's identity): sha256 over (relative path, file sha256), sorted."""
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = f.relative_to(path).as_posix()
-        if not (rel in exclude or rel.startswith(".") or "/." in rel):  # the record and hidden files left out
+        if not (rel == RECORD_NAME or rel.startswith(".") or "/." in rel):  # the record and hidden files left out
             h.update(rel.encode() + b"\0" + file_hash(f).encode() + b"\n")
     return h.hexdigest()
 

@@ -178,14 +178,12 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
 def table_ii(examples: pd.DataFrame) -> dict[str, Any]:
     """dataset -> domain -> split -> {n, avg_turns, avg_speakers, avg_words, avg_summary_words}."""
     stats: dict[str, Any] = {}
-    for (dataset, domain, split), g in examples.groupby(["dataset", "domain", "split"], sort=False):
-        stats.setdefault(dataset, {}).setdefault(domain, {})[split] = {
-            "n": int(len(g)),
-            **{key: round(float(g[column].mean()), 2) for key, column in zip(STAT_KEYS, STAT_COLUMNS)},
+    for (dataset, domain), rows in examples.groupby(["dataset", "domain"], sort=False):
+        stats.setdefault(dataset, {})[domain] = {  # fixed split order for readers
+            split: {"n": len(g), **{key: round(float(g[col].mean()), 2) for key, col in zip(STAT_KEYS, STAT_COLUMNS)}}
+            for split in SPLITS
+            if len(g := rows[rows.split == split])
         }
-    for dataset in stats:  # fixed split order for readers
-        for domain in stats[dataset]:
-            stats[dataset][domain] = {s: stats[dataset][domain][s] for s in SPLITS if s in stats[dataset][domain]}
     return stats
 
 

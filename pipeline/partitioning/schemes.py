@@ -23,6 +23,9 @@ MAX_DIRICHLET_REDRAWS = 1000
 class IidConfig:  # the base of every scheme config that numbers its clients (scheme_client_names)
     n_clients: PositiveInt = 3
 
+    def client_names(self) -> list[str]:
+        return [f"client{i}" for i in range(self.n_clients)]
+
 
 @config
 class NoniidBalancedConfig:
@@ -72,16 +75,12 @@ def _ids(frame: pd.DataFrame) -> list[str]:
     return sorted(frame.example_id)  # sorted first, so only the seed decides the order
 
 
-def numbered_clients(n: int) -> list[str]:
-    return [f"client{i}" for i in range(n)]
-
-
 def scheme_client_names(scheme: str, cfg: PartitionConfig) -> list[str]:
     """The clients a scheme's partition holds, in its order, from the config alone (no data): the plan declares
     them, so a deployed server knows whom to admit without any client's data (tests check each scheme's
     partition has exactly these)."""
     if isinstance(group := getattr(cfg, scheme, None), IidConfig):  # its n_clients
-        return numbered_clients(group.n_clients)
+        return group.client_names()
     return {
         "domain": list(QMSUM_DOMAINS),
         "noniid_balanced": list(QMSUM_DOMAINS),
@@ -112,12 +111,11 @@ def by_domain(examples: pd.DataFrame, domains: list[str]) -> Partition:
 def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     """Each domain's split cut into n equal random parts; client i gets part i of every domain and split."""
     pool = qmsum_pool(examples)
-    names = numbered_clients(cfg.iid.n_clients)
-    part = _empty(names, dict(zip(pool.example_id, pool.domain)))
+    part = _empty(cfg.iid.client_names(), dict(zip(pool.example_id, pool.domain)))
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ids = np.array(_ids(pool[(pool.domain == domain) & (pool.split == split)]))
-            for name, chunk in zip(names, np.array_split(rng.permutation(ids), len(names))):
+            for name, chunk in zip(part.clients, np.array_split(rng.permutation(ids), len(part.clients))):
                 part.clients[name][split] += chunk.tolist()
     return part
 
@@ -155,7 +153,6 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
     bounded."""
     q = cfg.quantity
     pool = qmsum_pool(examples)
-    names = numbered_clients(q.n_clients)
     split_ids = {s: np.array(_ids(pool[pool.split == s])) for s in SPLITS}
     for _ in range(MAX_DIRICHLET_REDRAWS):
         z = rng.dirichlet(np.full(q.n_clients, q.beta))
@@ -167,32 +164,32 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
             f"partition.quantity: no Dir({q.beta}) draw in {MAX_DIRICHLET_REDRAWS} gave every one of "
             f"{q.n_clients} clients {q.min_per_split} example(s) per split; raise beta or lower min_per_split"
         )
-    part = _empty(names, dict(zip(pool.example_id, pool.domain)))
+    part = _empty(q.client_names(), dict(zip(pool.example_id, pool.domain)))
     for split, ids in split_ids.items():
-        for name, chunk in zip(names, np.split(rng.permutation(ids), np.cumsum(counts[split])[:-1])):
+        for name, chunk in zip(part.clients, np.split(rng.permutation(ids), np.cumsum(counts[split])[:-1])):
             part.clients[name][split] = chunk.tolist()
     return part
 
 
 def label_skew(
-    pool: pd.DataFrame, label_of: dict[str, str], cfg: DomainDirichletConfig, rng: np.random.Generator
+    pool: pd.DataFrame, label_of: dict[str, str] | None, cfg: DomainDirichletConfig, rng: np.random.Generator
 ) -> Partition:
-    """Dirichlet label skew (FedNLP), sampling without replacement. Each client draws one label mix ``q_c ~ Dir(alpha *
-    p)`` with ``p`` the global label proportions. Per split, clients get equal shares of the examples; each slot picks a
-    label from ``q_c`` (renormalised over labels still available) and takes a random remaining example with that label.
-    Every example is assigned."""
-    names = numbered_clients(cfg.n_clients)
+    """Dirichlet label skew (FedNLP) over ``label_of`` (None: each example's domain), sampling without replacement.
+    Each client draws one label mix ``q_c ~ Dir(alpha * p)`` with ``p`` the global label proportions. Per split,
+    clients get equal shares of the examples; each slot picks a label from ``q_c`` (renormalised over labels still
+    available) and takes a random remaining example with that label. Every example is assigned."""
+    label_of = label_of or dict(zip(pool.example_id, pool.domain))
     labels = sorted(set(label_of.values()))
     all_labels = np.array([label_of[i] for i in pool.example_id])
     p = np.array([(all_labels == lab).mean() for lab in labels])
     mixes = rng.dirichlet(cfg.alpha * p, size=cfg.n_clients)  # row c = q_c
-    part = _empty(names, dict(label_of))
+    part = _empty(cfg.client_names(), dict(label_of))
     for split in SPLITS:
         ids = _ids(pool[pool.split == split])
         remaining = {lab: [i for i in ids if label_of[i] == lab] for lab in labels}
         for lab in labels:
             rng.shuffle(remaining[lab])
-        for c, (name, size) in enumerate(zip(names, [len(a) for a in np.array_split(ids, cfg.n_clients)])):
+        for c, (name, size) in enumerate(zip(part.clients, [len(a) for a in np.array_split(ids, cfg.n_clients)])):
             for _ in range(size):
                 avail = np.array([len(remaining[lab]) > 0 for lab in labels])
                 w = mixes[c] * avail
@@ -246,11 +243,6 @@ def scheme_cluster(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.
     return label_skew(pool, label_of, cfg.cluster, rng)
 
 
-def scheme_domain_dirichlet(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
-    pool = qmsum_pool(examples)
-    return label_skew(pool, dict(zip(pool.example_id, pool.domain)), cfg.domain_dirichlet, rng)
-
-
 # (examples, cfg, rng) -> Partition; the domain schemes draw nothing
 SCHEMES: dict[str, Callable[..., Partition]] = {
     "domain": lambda examples, cfg, rng: by_domain(qmsum_pool(examples), scheme_client_names("domain", cfg)),
@@ -260,7 +252,7 @@ SCHEMES: dict[str, Callable[..., Partition]] = {
     "long_meeting": lambda examples, cfg, rng: by_domain(examples, scheme_client_names("long_meeting", cfg)),
     "quantity": scheme_quantity,
     "cluster": scheme_cluster,
-    "domain_dirichlet": scheme_domain_dirichlet,
+    "domain_dirichlet": lambda examples, cfg, rng: label_skew(qmsum_pool(examples), None, cfg.domain_dirichlet, rng),
 }
 
 

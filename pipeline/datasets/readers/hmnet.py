@@ -10,7 +10,7 @@ from pydantic import ConfigDict
 
 from pipeline.common.schema import SPLIT_ALIASES, CanonicalRecord, DataError, IngestReport, Turn
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, split_json_lines
 
 # HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
 # upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
@@ -52,8 +52,7 @@ def read_hmnet(
     directory: Path, report: IngestReport, allow_absent: list[str], dataset: str
 ) -> Iterator[CanonicalRecord]:
     meetings: dict[str, str] = {}
-    for where, origin, raw in split_json_lines(directory, hmnet_files(dataset), allow_absent, report):
-        meeting = parse_record(HMNetMeeting, raw, where)
+    for where, origin, meeting in split_json_lines(directory, hmnet_files(dataset), allow_absent, report, HMNetMeeting):
         _unique(meetings, meeting.id, where, "meeting id")
         turns = []
         for utt in meeting.meeting:

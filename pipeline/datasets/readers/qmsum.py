@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.common.schema import QMSUM_DOMAINS, SPLIT_ALIASES, CanonicalRecord, DataError, IngestReport, Turn
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, split_json_lines
 
 
 class QMSumTurn(UpstreamRecord):
@@ -70,11 +70,10 @@ def qmsum_files() -> dict[str, str]:
 
 def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     meetings: dict[str, str] = {}  # meeting id -> where first read, over every file of the dataset
-    for where, origin, raw in split_json_lines(directory, qmsum_files(), allow_absent, report):
-        meeting = parse_record(QMSumMeeting, raw, where)
+    for where, origin, meeting in split_json_lines(directory, qmsum_files(), allow_absent, report, QMSumMeeting):
         if not (turns := [Turn(t.speaker, t.content) for t in meeting.meeting_transcripts]):
             raise DataError(f"{where}: meeting_transcripts: empty transcript (no turns)")
-        meeting_id = qmsum_meeting_id(raw["meeting_transcripts"])
+        meeting_id = qmsum_meeting_id([t.model_dump() for t in meeting.meeting_transcripts])
         _unique(meetings, meeting_id, where, "meeting (identical transcript)")
         for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
             for qi, q in enumerate(getattr(meeting, key)):

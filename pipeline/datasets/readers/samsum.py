@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.common.schema import SPLIT_ALIASES, CanonicalRecord, DataError, IngestReport, Skipped, Turn
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
 
@@ -55,8 +55,7 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
 
 def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     dialogues: dict[str, str] = {}
-    for where, origin, raw in split_json_lines(directory, samsum_files(), allow_absent, report):
-        rec = parse_record(SamsumDialogue, raw, where)
+    for where, origin, rec in split_json_lines(directory, samsum_files(), allow_absent, report, SamsumDialogue):
         _unique(dialogues, rec.id, where, "dialogue id")
         if empty := [f"empty {key}" for key in ("dialogue", "summary") if not getattr(rec, key).strip()]:
             report.skipped.append(Skipped(origin["source_file"], origin["source_line"], rec.id, empty[0]))

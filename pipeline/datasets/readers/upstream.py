@@ -43,10 +43,9 @@ def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
                         json.dumps(obj, ensure_ascii=False).encode("utf-8")
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{display}:{line_no}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-                except RecursionError:
-                    raise DataError(f"{display}:{line_no}: malformed JSON (nested too deeply)") from None
-                except UnicodeEncodeError:
-                    raise DataError(f"{display}:{line_no}: malformed JSON (half a surrogate pair)") from None
+                except (RecursionError, UnicodeEncodeError) as exc:
+                    why = "nested too deeply" if isinstance(exc, RecursionError) else "half a surrogate pair"
+                    raise DataError(f"{display}:{line_no}: malformed JSON ({why})") from None
                 yield line_no, obj
     except (EOFError, OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
         raise DataError(f"{display}:{line_no + 1}: truncated or damaged file ({' '.join(str(exc).split())})") from None
@@ -90,13 +89,13 @@ def _unique(seen: dict[Any, str], key: Any, where: str, what: str) -> None:
 
 
 def split_json_lines(
-    directory: Path, files: dict[str, str], allow_absent: list[str], report: IngestReport
-) -> Iterator[tuple[str, dict[str, Any], Any]]:
+    directory: Path, files: dict[str, str], allow_absent: list[str], report: IngestReport, model: type[Record]
+) -> Iterator[tuple[str, dict[str, Any], Record]]:
     """The JSON lines of a dataset's split files, ``files`` as its registration declares them (file -> split key
-    ``<dataset>/<domain>/<split>``): yields (``<dataset>/<file>:<line>`` for errors, the record's CanonicalRecord
-    fields dataset, domain, split, source_file and source_line, record). An absent split file is skipped (counted)
-    only where ``allow_absent`` names its split key; a file without a line is an error unless allowed and the split's
-    only file (one empty chunk of a split that has others is a damaged copy)."""
+    ``<dataset>/<domain>/<split>``), each parsed as ``model``: yields (``<dataset>/<file>:<line>`` for errors, the
+    record's CanonicalRecord fields dataset, domain, split, source_file and source_line, record). An absent split
+    file is skipped (counted) only where ``allow_absent`` names its split key; a file without a line is an error unless
+    allowed and the split's only file (one empty chunk of a split that has others is a damaged copy)."""
     files_of = Counter(files.values())
     for name, split_key in files.items():
         dataset, domain, split = split_key.split("/")
@@ -104,12 +103,11 @@ def split_json_lines(
         if not (directory / name).is_file() and absent_allowed(split_key, allow_absent):
             report.note(f"absent split files allowed by ingest.allow_absent_splits ({split_key})")
             continue
-        n_lines = 0
+        line_no = 0  # still 0 after the loop: the file has no record
         for line_no, rec in _json_lines(directory / name, display):
-            n_lines += 1
             origin = dict(dataset=dataset, domain=domain, split=split, source_file=display, source_line=line_no)
-            yield f"{display}:{line_no}", origin, rec
-        if n_lines == 0 and not (files_of[split_key] == 1 and absent_allowed(split_key, allow_absent)):
+            yield f"{display}:{line_no}", origin, parse_record(model, rec, f"{display}:{line_no}")
+        if line_no == 0 and not (files_of[split_key] == 1 and absent_allowed(split_key, allow_absent)):
             raise DataError(
                 f"{display}: no records (empty or blank file) for split {split_key}; if that split may "
                 f"be absent, add {split_key!r} to ingest.allow_absent_splits"
