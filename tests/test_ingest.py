@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import http.server
@@ -259,6 +260,23 @@ def test_download_from_file_url_then_reuse(mirror, tmp_path):
     assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
     shutil.rmtree(site)  # second time: the finished download is reused, nothing fetched
     assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
+
+
+def test_a_split_allowed_absent_is_not_downloaded_nor_fetched_again(mirror, tmp_path):
+    site = _upstream_layout(mirror, tmp_path)
+    (site / "qmsum/data/Product/jsonl/test.jsonl").unlink()  # absent upstream
+    cfg = IngestConfig(
+        data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"), urls={"qmsum": (site / "qmsum").as_uri()}
+    )
+    with pytest.raises(DataError, match="download from .* failed"):  # not allowed: the download fails
+        resolve_source("qmsum", cfg)
+    cfg = dataclasses.replace(cfg, allow_absent_splits=["qmsum/Product/test"])
+    assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
+    assert not (tmp_path / "raw/qmsum/data/Product/jsonl/test.jsonl").exists()
+    shutil.rmtree(site)  # second time: complete but for the allowed split, nothing fetched
+    assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
+    frame, _ = ingest_dataset("qmsum", tmp_path / "raw/qmsum", cfg.allow_absent_splits)
+    assert set(frame.split[frame.domain == "Product"]) == {"train", "valid"}
 
 
 def test_a_download_url_may_end_in_a_slash_whatever_its_last_letter(mirror, tmp_path):

@@ -43,12 +43,16 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
     """The directory holding ``dataset`` in its upstream layout, downloading it if needed."""
     mirror = Path(os.environ.get(ENV_DATA_ROOT) or cfg.data_root) / dataset  # an empty variable: unset
     files = dataset_spec(dataset).files()  # relative to <root>/<dataset>/ -> split key
-    if mirror.is_dir():
-        if missing := [
+
+    def missing(root: Path) -> list[str]:
+        return [
             rel
             for rel, split_key in files.items()
-            if not (mirror / rel).is_file() and not absent_allowed(split_key, cfg.allow_absent_splits)
-        ]:
+            if not (root / rel).is_file() and not absent_allowed(split_key, cfg.allow_absent_splits)
+        ]
+
+    if mirror.is_dir():
+        if missing := missing(mirror):
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(
                 f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"
@@ -56,7 +60,7 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
             )
         return mirror
     raw = Path(cfg.raw_dir) / dataset
-    if not (raw.is_dir() and all((raw / rel).is_file() for rel in files)):
+    if not raw.is_dir() or missing(raw):  # a split allowed absent is not fetched again on every run
         download(dataset, cfg, raw)
     return raw
 
@@ -86,9 +90,14 @@ def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
         if spec.download is not None:  # an upstream copy that is not the files one by one (SAMSum's zip)
             spec.download(base, target, _fetch, atomic.write_bytes)
             return
-        for rel in tqdm(spec.files(), desc=f"download {dataset}", unit="file"):
-            if not (target / rel).is_file():  # else: resume an interrupted download
+        for rel, split_key in tqdm(spec.files().items(), desc=f"download {dataset}", unit="file"):
+            if (target / rel).is_file():  # resume an interrupted download
+                continue
+            try:
                 atomic.write_bytes(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
+            except OSError:  # URLError, HTTPError: a split allowed absent may be absent upstream too
+                if not absent_allowed(split_key, cfg.allow_absent_splits):
+                    raise
     # URLError is an OSError; ValueError: urlopen's "unknown url type" (an address without http(s):// or file://)
     except (ValueError, OSError, zipfile.BadZipFile) as exc:
         raise DataError(_how_to_fix(dataset, cfg, f"download from {base} failed ({exc})")) from exc
