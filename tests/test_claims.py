@@ -422,6 +422,16 @@ def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_gives_numbers_only
     assert "- **Pooling the data helps** (Holm p ≤ 0.010 each)" in text and "numbers only" not in text
 
 
+def test_a_pooling_comparison_without_a_p_value_is_worded_not_a_crash():
+    rows = [
+        _row(method_a="centralized", method_b="single", mean_diff=0.3, ci_low=-0.2, ci_high=0.8, p_value=float("nan")),
+        _row(method_a="centralized", method_b="fedavg", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.001),
+    ]
+    table = pd.DataFrame(rows).assign(significant=[False, True], n_seeds=3)  # a NaN p: e.g. one meeting a client
+    line = next(x for x in claims.results_text(table).splitlines() if "Pooling the data" in x)
+    assert line.startswith("- **Pooling the data helps against some methods**") and "≤" not in line
+
+
 def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_excludes_nothing_and_finds_nothing():
     """docs/statistics.md: a comparison with fewer than `report.claim_min_seeds` seeds states its numbers, no claim:
     neither that the paper's gain or gap is excluded nor that a gate makes no difference."""
