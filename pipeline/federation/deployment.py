@@ -48,7 +48,7 @@ from pipeline.results.evaluation import (
     metrics_record,
     test_subsample,
 )
-from pipeline.results.scoring import Scorer, mean_scores
+from pipeline.results.scoring import client_scores
 from pipeline.results.tracking import RunLogger, delete_run
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
@@ -179,8 +179,7 @@ def client_summarize(msg: Message, context: Context) -> Message:
         max_src = cfg.max_source_length or plan.model_config.max_source_length
         desc = f"{plan.experiment}/{name}"
         [predictions] = generate_per_run(shared_model(plan), [adapter], [sub["source"].tolist()], cfg, max_src, desc)
-        scores = Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
-        metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
+        metrics.update(client_scores(predictions, sub, len(test_ids))[1])
     records = {"identity": ConfigRecord({"client-name": name}), METRICS_KEY: MetricRecord(metrics)}
     return Message(RecordDict(records), reply_to=msg)
 

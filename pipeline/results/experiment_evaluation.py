@@ -23,7 +23,7 @@ from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
 from pipeline.results.readers import read_json, run_converged
-from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_METRICS, Scorer, mean_scores
+from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_METRICS, client_scores
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, mean_interval, meetings
 from pipeline.results.tracking import split_dataset
 
@@ -88,17 +88,13 @@ def evaluate_experiments(
         frames: list[pd.DataFrame] = []  # per test example: its row of the subsample, client, prediction and scores
         per_client: dict[str, dict[str, Any]] = {}
         test_sets = {}
-        scorer = Scorer(use_stemmer=True)
         for (client, (test_ids, sub)), predictions in zip(exp.chosen.items(), summaries):
-            scores = scorer.score_pairs(predictions, sub["target"].tolist())
+            scores, per_client[client] = client_scores(predictions, sub, len(test_ids))
             if mlflow_logging:  # an MLflow dataset: without MLflow logging, MLflow need not be installed
                 test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), exp.part_path)
             rows = sub.reset_index(drop=True).assign(experiment=name, client=client, prediction=predictions)
             frames.append(rows.join(pd.DataFrame(scores)))  # in order: the ids are sub's column example_id
-            per_client[client] = summary = mean_scores(scores) | {
-                "n_test": len(test_ids),
-                "skipped_by_subsampling": len(test_ids) - len(sub),
-            }
+            summary = per_client[client]
             means = " ".join(f"{k}={summary[k]:.2f}" for k in SCORE_KEYS)
             print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} {means}", file=sys.stderr)
 
