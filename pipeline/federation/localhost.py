@@ -23,7 +23,7 @@ from pipeline.common import atomic, cli
 from pipeline.common.config import from_dict
 from pipeline.experiments.settings import load_run_settings
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
-from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca
+from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca, tail
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig
 from pipeline.results.tracking import end_if_running
@@ -32,10 +32,6 @@ CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOM
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
 RUN_ID = re.compile(r"Successfully started run (\d+)")  # in the output of `flwr run`
 REGISTERED = b"SuperNode ID:"  # in a SuperNode's log: the SuperLink gave it an id
-
-
-def _tail(text: object) -> str:  # the end of a command's output or error, on one line
-    return " ".join(str(text).split())[-300:]
 
 
 @dataclass
@@ -57,12 +53,12 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
     try:
         listed = json.loads(text)
     except json.JSONDecodeError:
-        raise FederationError(f"`flwr ls` gave no run list: {_tail(text)}") from None
+        raise FederationError(f"`flwr ls` gave no run list: {tail(text)}") from None
     if not listed.get("success"):  # flwr's JSON error: the SuperLink could not be asked at all
-        raise FederationError(f"cannot reach the SuperLink: {_tail(listed.get('error-message') or text)}")
+        raise FederationError(f"cannot reach the SuperLink: {tail(listed.get('error-message') or text)}")
     runs = [r for r in (listed.get("runs") or []) if run_id is None or str(r.get("run-id")) == str(run_id)]
     if not runs:
-        raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: {_tail(text)}")
+        raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: {tail(text)}")
     run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
     details = str(run.get("status-details") or "")
     return str(run.get("run-id")), str(run.get("status", "")), "" if details == "N/A" else details  # N/A: none
@@ -207,7 +203,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
             if out.returncode != 0:
                 raise FederationError(
-                    f"registering the key of SuperNode {name} failed: {_tail(out.stdout + out.stderr)}"
+                    f"registering the key of SuperNode {name} failed: {tail(out.stdout + out.stderr)}"
                 )
         for name in self.clients:
             self.start_supernode(name)

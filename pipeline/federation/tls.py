@@ -20,10 +20,14 @@ class Certificates:
     key: Path
 
 
+def tail(text: object) -> str:  # the end of a command's output or error, on one line (localhost's errors too)
+    return " ".join(str(text).split())[-300:]
+
+
 def _run(*argv) -> None:
     out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if out.returncode != 0:
-        raise FederationError(f"`{' '.join(map(str, argv[:2]))}` failed: {' '.join(out.stderr.split())[-300:]}")
+        raise FederationError(f"`{' '.join(map(str, argv[:2]))}` failed: {tail(out.stderr)}")
 
 
 def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
