@@ -171,7 +171,7 @@ def build_backbone(shape: Shape, seed: int = 0, attn_implementation: str | None 
 def build_summarizer(shape: Shape, seed: int = 0, attn_implementation: str | None = None) -> AdapterSummarizer:
     backbone = build_backbone(shape, seed, attn_implementation)
     adapter = AdapterConfig(top_k=shape.top_k, bottleneck=shape.bottleneck)
-    model = AdapterSummarizer.from_backbone(backbone, minilm_tokenizer(), adapter, device="cpu")
+    model = AdapterSummarizer(backbone, minilm_tokenizer(), adapter, device="cpu")
     perturb_adapters(model, seed)
     return model
 

@@ -98,7 +98,7 @@ def build(shape: dict[str, Any], device: str, tokenizer):
             config = BartConfig(**common, max_position_embeddings=max(1024, shape["source_length"]))
             backbone = BartForConditionalGeneration(config).eval()
     adapter = AdapterConfig(top_k=shape["top_k"], bottleneck=shape["bottleneck"], seed=0)
-    return AdapterSummarizer.from_backbone(backbone, tokenizer, adapter, device=device)
+    return AdapterSummarizer(backbone, tokenizer, adapter, device=device)
 
 
 def _timed(fn, repeats: int = 3) -> float:

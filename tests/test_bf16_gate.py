@@ -39,7 +39,7 @@ def test_bf16_autocast_keeps_the_gate_decisions_of_float32(shared_data):
     torch.manual_seed(0)
     backbone, tokenizer = build_bert2bert(minilm_dir())
     init_cross_attention_from_self(backbone)
-    model = AdapterSummarizer.from_backbone(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=64, seed=0), "cpu")
+    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=64, seed=0), "cpu")
     generator = torch.Generator().manual_seed(1)
     start = model.adapter_state("local")
     # two runs, each with its own teacher (W_up away from zero: not the bare backbone)

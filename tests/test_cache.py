@@ -31,7 +31,7 @@ LENGTHS = ModelConfig(max_source_length=64, max_target_length=32)
 @pytest.fixture(scope="module", params=["bart", "bert2bert"])
 def model(request):
     backbone, tok = tiny(request.param)
-    m = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=16), device="cpu")
+    m = AdapterSummarizer(backbone, tok, AdapterConfig(top_k=2, bottleneck=16), device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for path, scale in (("local", 0.3), ("global", 0.2)):

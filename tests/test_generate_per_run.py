@@ -16,7 +16,7 @@ from tests.tiny_models import WORDS, tiny
 @pytest.mark.parametrize("kind", ["bart", "bert2bert"])
 def test_runs_generated_together_are_each_as_generated_alone(kind):
     backbone, tokenizer = tiny(kind)
-    model = AdapterSummarizer.from_backbone(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
     start = model.adapter_state("local")
     states = []
     for r in range(3):  # W_up away from zero, a different adapter per run
@@ -50,7 +50,7 @@ def test_decoding_lengths_beyond_the_backbones_positions_are_one_config_error(ke
     from pipeline.common.config import ConfigError
 
     backbone, tokenizer = tiny("bert2bert")
-    model = AdapterSummarizer.from_backbone(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
     lengths = {"max_source_length": 512, "max_target_length": 4} | {key: 600}
     cfg = EvaluateConfig(batch_size=1, max_target_length=lengths["max_target_length"], min_target_length=1)
     with pytest.raises(ConfigError, match=rf"^evaluate\.{key}=600 is out of range; allowed: <= 512 "):

@@ -35,7 +35,7 @@ def _perturb(model: AdapterSummarizer, path: str, seed: int, scale: float = 0.3)
 @pytest.fixture(scope="module", params=KINDS)
 def summarizer(request):
     backbone, tok = tiny(request.param)
-    model = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=16), device="cpu")
+    model = AdapterSummarizer(backbone, tok, AdapterConfig(top_k=2, bottleneck=16), device="cpu")
     _perturb(model, "local", 1)
     _perturb(model, "global", 2)
     return model
@@ -146,7 +146,7 @@ def test_round0_equals_the_backbone(kind):
                     if name.endswith("weight")
                     else 0.3 * torch.randn(p.shape, generator=g)
                 )
-    model = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
+    model = AdapterSummarizer(backbone, tok, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
     ex = tokenize_pairs(tok, FRAME, LENGTHS, model.decoder_start_token_id)
     b = collate(ex, model.pad_token_id, model.decoder_start_token_id)
     valid = b.labels != IGNORE_INDEX
@@ -192,8 +192,8 @@ def test_fingerprint_stable_and_sensitive():
     b1, t1 = tiny("bert2bert")
     b2, t2 = tiny("bert2bert")
     cfg = AdapterConfig(top_k=1, bottleneck=4)
-    m1 = AdapterSummarizer.from_backbone(b1, t1, cfg, device="cpu")
-    m2 = AdapterSummarizer.from_backbone(b2, t2, cfg, device="cpu")
+    m1 = AdapterSummarizer(b1, t1, cfg, device="cpu")
+    m2 = AdapterSummarizer(b2, t2, cfg, device="cpu")
     assert m1.backbone_fingerprint == m2.backbone_fingerprint
     with torch.no_grad():
         b2.encoder.embeddings.word_embeddings.weight[5, 0] += 1e-3
@@ -206,16 +206,14 @@ def test_adapter_init_is_seeded():
 
     def state(seed):
         torch.rand(7)  # consuming the global RNG must not matter
-        m = AdapterSummarizer.from_backbone(
-            backbone, tok, AdapterConfig(top_k=1, bottleneck=4, seed=seed), device="cpu"
-        )
+        m = AdapterSummarizer(backbone, tok, AdapterConfig(top_k=1, bottleneck=4, seed=seed), device="cpu")
         return m.adapter_state("local")
 
     a, b, c = state(0), state(0), state(1)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["layer0.down.weight"], c["layer0.down.weight"])
     assert torch.count_nonzero(a["layer0.up.weight"]) == 0  # W_up = 0: round 0 is the backbone
-    m = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=1, bottleneck=4), device="cpu")
+    m = AdapterSummarizer(backbone, tok, AdapterConfig(top_k=1, bottleneck=4), device="cpu")
     fresh = m.fresh_adapter_state(0)
     assert all(torch.equal(a[k], fresh[k]) for k in a)
 
@@ -413,7 +411,7 @@ def test_led_encodes_with_global_attention_on_the_first_token():
     0) in every forward and in generate; without it each token sees its local window only (8 tokens here). The encoder
     output of the prefix (training, the cache) and of generation must be LED's own with that mask."""
     backbone, tok = tiny("led")
-    model = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
+    model = AdapterSummarizer(backbone, tok, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
     b = collate(tokenize_pairs(tok, FRAME, LENGTHS, model.decoder_start_token_id), model.pad_token_id, 2)
     source = {"input_ids": b.input_ids, "attention_mask": b.attention_mask}
     first = torch.zeros_like(b.attention_mask)

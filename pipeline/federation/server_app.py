@@ -160,7 +160,10 @@ def run_server(
 
         # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; under
         # client-level DP each update weighs 1 / the expected count, whoever replied).
-        _record_weight_shares(rows, client_level)
+        good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
+        total = sum(r["weight"] for r in good)
+        for r in good:
+            r["weight_share"] = 1 / client_level.setting.sampled if client_level is not None else r["weight"] / total
         if new_arrays is not None:
             # in the model's dtype: Flower's FedAdam returns a float64 W (it steps from current_arrays, the downlink)
             state = {k: v.to(state[k].dtype) for k, v in new_arrays.to_torch_state_dict().items()}
@@ -194,13 +197,6 @@ def _round_rows(
     for name in sorted(absent):
         rows[name] = history_row(rnd, name, 0, absent=1)
     return rows
-
-
-def _record_weight_shares(rows: dict[str, dict[str, Any]], client_level) -> None:
-    good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
-    total = sum(r["weight"] for r in good)
-    for r in good:
-        r["weight_share"] = 1 / client_level.setting.sampled if client_level is not None else r["weight"] / total
 
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:

@@ -64,6 +64,13 @@ class AdapterSummarizer(nn.Module):
         self, backbone: nn.Module, tokenizer, adapter: AdapterConfig, device: torch.device | str | None = None
     ):
         super().__init__()
+        if len(tokenizer) > backbone.get_input_embeddings().num_embeddings:
+            raise ValueError(
+                f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
+                f"{backbone.get_input_embeddings().num_embeddings}; resize the embeddings first"
+            )
+        keys = ("decoder_start_token_id", "pad_token_id", "eos_token_id")  # where generation_config leaves them unset
+        backbone.generation_config.update(defaults_only=True, **{k: getattr(backbone.config, k, None) for k in keys})
         self.backbone = backbone
         self.tokenizer = tokenizer
         self.adapter_config = adapter
@@ -118,18 +125,7 @@ class AdapterSummarizer(nn.Module):
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
         backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))  # EncoderDecoderModel too; stage backbone checks
-        return cls.from_backbone(backbone, AutoTokenizer.from_pretrained(str(path)), adapter, device)
-
-    @classmethod
-    def from_backbone(cls, model: nn.Module, tokenizer, adapter: AdapterConfig, device=None) -> AdapterSummarizer:
-        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-            raise ValueError(
-                f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
-                f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first"
-            )
-        keys = ("decoder_start_token_id", "pad_token_id", "eos_token_id")  # where generation_config leaves them unset
-        model.generation_config.update(defaults_only=True, **{key: getattr(model.config, key, None) for key in keys})
-        return cls(model, tokenizer, adapter, device)
+        return cls(backbone, AutoTokenizer.from_pretrained(str(path)), adapter, device)
 
     def _config_value(self, key: str) -> int:
         value = getattr(self.backbone.config, key, None)

@@ -92,24 +92,22 @@ def secure_aggregator(
 
 def client_train(msg, context, train_round):
     """The ClientApp's train handler inside privacy's Flower mods, SecAgg+'s and client-level DP's clipping (each
-    passes a message through unless its plan asks for it)."""
-    handler = make_ffn(lambda m, c: _checked_train(m, c, train_round), [secure_aggregation_mod, client_dp_mod])
-    return handler(msg, context)
+    passes a message through unless its plan asks for it). SecAgg+'s legacy FitIns go through client-level DP's
+    clipping mod before the masking. The client, not the server, decides whether its adapter may leave in the clear:
+    under ``privacy.secure_aggregation`` it refuses a plain train message."""
 
+    def checked_train(msg, context):
+        if is_legacy_fit(msg):
+            return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_round))
+        plan = load_plan(plan_path_of(msg, context))
+        if plan.privacy is not None and plan.privacy.secure_aggregation:
+            raise ValueError(
+                f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads "
+                f"its adapter only through SecAgg+"
+            )
+        return train_round(msg, context)
 
-def _checked_train(msg, context, train_round):
-    """SecAgg+'s legacy FitIns go through client-level DP's clipping mod before the masking. The client, not the
-    server, decides whether its adapter may leave in the clear: under ``privacy.secure_aggregation`` it refuses a
-    plain train message."""
-    if is_legacy_fit(msg):
-        return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_round))
-    plan = load_plan(plan_path_of(msg, context))
-    if plan.privacy is not None and plan.privacy.secure_aggregation:
-        raise ValueError(
-            f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads "
-            f"its adapter only through SecAgg+"
-        )
-    return train_round(msg, context)
+    return make_ffn(checked_train, [secure_aggregation_mod, client_dp_mod])(msg, context)
 
 
 def dp_steps(context) -> int | None:
