@@ -306,7 +306,8 @@ def test_head_on_real_tokens_only_keeps_loss_and_gradients(summarizer, batch):
                 torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
         # path_logits on a prefix from compute_prefix (which carries the target mask) = forward_path on real tokens
         with torch.no_grad():
-            local = summarizer.path_logits(summarizer.compute_prefix(batch), "local")
+            prefix = summarizer.compute_prefix(batch)
+            local = summarizer.path_logits(prefix, "local", summarizer.top_masks(prefix))
             ref_local = summarizer.forward_path(batch, "local")
         torch.testing.assert_close(local[valid], ref_local[valid], atol=1e-5, rtol=0)
         assert (local[~valid] == 0).all()

@@ -222,9 +222,8 @@ def distillation_losses(
     z_g = z_g.to(dev) if z_g is not None else None
     # w_t: the token's weight in its run's mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b)); made on the host
     row_weight = torch.cat([_row_weights(*run) for run in zip(valids, counts, cfgs)]).to(dev, non_blocking=True)
-    per_run = torch.tensor(counts)
     lam, lam_off, run_of_row = (
-        torch.tensor(values).repeat_interleave(per_run).to(dev, non_blocking=True)
+        torch.tensor(values).repeat_interleave(torch.tensor(counts)).to(dev, non_blocking=True)
         for values in ([float(c.kd_lambda) for c in cfgs], [1.0 - c.kd_lambda for c in cfgs], list(range(len(cfgs))))
     )
     y = torch.cat([y[v] for y, v in zip(labels, valids)]).to(dev, non_blocking=True)  # host labels: copied async

@@ -96,8 +96,11 @@ class AdapterSummarizer(nn.Module):
         self.first_adapted = n_layers - adapter.top_k
         self._top_layers = list(layers[self.first_adapted :])
         self.hidden_size = self._stack.config.hidden_size if self.is_bert2bert else backbone.config.d_model
-        self.decoder_start_token_id = self._config_value("decoder_start_token_id")
-        self.pad_token_id = self._config_value("pad_token_id")
+        for key in keys[:2]:  # decoder_start_token_id, pad_token_id: the model config's, else the generation config's
+            value = getattr(backbone.config, key, None)
+            if (value := getattr(backbone.generation_config, key, None) if value is None else value) is None:
+                raise ValueError(f"{type(backbone).__name__}: config has no {key}")
+            setattr(self, key, int(value))
 
         # Post-LN stacks (BART, LED, BERT) end each layer with a LayerNorm; pre-LN stacks (mBART, Pegasus) end the
         # whole stack with one (``layer_norm``) and their layers' ``final_layer_norm`` is the FFN's input norm.
@@ -112,7 +115,7 @@ class AdapterSummarizer(nn.Module):
         # Post-LN layers: the adapter replaces the layer's output LayerNorm, reading that LayerNorm's input Z
         # (see pipeline/modeling/adapters.py); other layers: the adapter reads the layer's output.
         for i, (layer, norm) in enumerate(zip(self._top_layers, norms)):
-            (layer if norm is None else norm).register_forward_hook(self._make_adapter_hook(i, norm is not None))
+            (norm or layer).register_forward_hook(functools.partial(self._adapter_hook, i, norm is not None))
         self.to(torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"))
         self.train(False)
 
@@ -126,13 +129,6 @@ class AdapterSummarizer(nn.Module):
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
         backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))  # EncoderDecoderModel too; stage backbone checks
         return cls(backbone, AutoTokenizer.from_pretrained(str(path)), adapter, device)
-
-    def _config_value(self, key: str) -> int:
-        value = getattr(self.backbone.config, key, None)
-        value = getattr(self.backbone.generation_config, key, None) if value is None else value
-        if value is None:
-            raise ValueError(f"{type(self.backbone).__name__}: config has no {key}")
-        return int(value)
 
     @functools.cached_property
     def device(self) -> torch.device:
@@ -152,16 +148,13 @@ class AdapterSummarizer(nn.Module):
             self.backbone.eval()
         return self
 
-    def _make_adapter_hook(self, i: int, on_input: bool):
-        def hook(module, args, output):
-            if self._active is None:
-                return output
-            adapter = (self.adapter_sets[self._active] if isinstance(self._active, str) else self._active)[i]
-            if on_input:  # Y = Z, the input of the layer's output LayerNorm
-                return adapter(args[0])
-            return (adapter(output[0]),) + tuple(output[1:]) if isinstance(output, tuple) else adapter(output)
-
-        return hook
+    def _adapter_hook(self, i: int, on_input: bool, module, args, output):
+        if self._active is None:
+            return output
+        adapter = (self.adapter_sets[self._active] if isinstance(self._active, str) else self._active)[i]
+        if on_input:  # Y = Z, the input of the layer's output LayerNorm
+            return adapter(args[0])
+        return (adapter(output[0]),) + tuple(output[1:]) if isinstance(output, tuple) else adapter(output)
 
     @contextlib.contextmanager
     def use_path(self, path: str | AdapterStack | None) -> Iterator[None]:
@@ -272,17 +265,13 @@ class AdapterSummarizer(nn.Module):
         return logits + bias.to(logits.device) if bias is not None else logits
 
     def path_logits(
-        self,
-        prefix: Prefix,
-        path: str | AdapterStack,
-        masks=None,
-        packed: bool = False,
-        rows: torch.Tensor | None = None,
+        self, prefix: Prefix, path: str | AdapterStack, masks, packed: bool = False, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Top k layers with ``path``'s adapters + LM head on a prefix. The LM head (n x V, the dominant cost) runs
-        only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or ``packed`` rows; ``rows`` (the target
-        tokens' indices in the flattened [B * T], on the device): those packed rows, with no host sync."""
-        self_mask, cross_mask = masks if masks is not None else self.top_masks(prefix)
+        """Top k layers with ``path``'s adapters under ``masks`` (:meth:`top_masks`'s) + LM head on a prefix. The LM
+        head (n x V, the dominant cost) runs only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or
+        ``packed`` rows; ``rows`` (the target tokens' indices in the flattened [B * T], on the device): those packed
+        rows, with no host sync."""
+        self_mask, cross_mask = masks
         h = prefix.decoder_hidden
         with self.use_path(path):
             for layer in self._top_layers:
