@@ -65,6 +65,19 @@ def test_a_deployed_client_may_keep_its_files_elsewhere(ws, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- resume
+def _restore_client_state(context: Context, plan, name: str, rnd: int) -> None:
+    """client_app._client_round for a message of round ``rnd`` of ``plan`` to client ``name``'s node."""
+    from flwr.app import ConfigRecord, Message
+
+    from pipeline.federation.client_app import _client_round
+    from pipeline.federation.engines import _set_server_identity
+
+    _set_server_identity(1)  # Flower stamps a message with the run's identity
+    config = ConfigRecord({"server-round": rnd, "plan": plan.source})
+    msg = Message(RecordDict({"config": config}), dst_node_id=7, message_type="train")
+    assert _client_round(msg, context) == (plan, name, rnd)
+
+
 def _checkpoints(plan, name: str, context: Context, rounds: dict[int, tuple[float, bool, int | None]]) -> None:
     from pipeline.federation.client_app import client_checkpoint_dir, client_dir
     from pipeline.modeling.adapters import adapter_file, save_adapter
@@ -78,7 +91,7 @@ def _checkpoints(plan, name: str, context: Context, rounds: dict[int, tuple[floa
 
 
 def test_a_running_client_keeps_its_adapter_from_its_state(ws):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, _local_adapter, _restore_client_state
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, _local_adapter
 
     plan = _plan()
     context = _context(**{"client-name": "Academic"})
@@ -90,7 +103,7 @@ def test_a_running_client_keeps_its_adapter_from_its_state(ws):
 
 
 def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(ws, caplog):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _local_adapter, _restore_client_state
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _local_adapter
     from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
 
     plan = _plan("client-resume")
@@ -113,7 +126,7 @@ def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(
 
 
 def test_a_client_that_never_trained_resumes_its_progress_but_no_adapter(ws):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _local_adapter, _restore_client_state
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _local_adapter
     from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
 
     plan = _plan("client-untrained")

@@ -856,7 +856,8 @@ def test_sampled_late_client_is_not_resumed_as_trained_from_its_checkpoint(ws):
     msg.metadata.__dict__["_message_id"] = "e1"
     client_app.client_evaluate(msg, first)
     restarted = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
-    client_app._restore_client_state(restarted, plan, "Committee", 2)
+    msg.content["config"]["server-round"] = 2
+    assert client_app._client_round(msg, restarted) == (plan, "Committee", 2)
     assert client_app._local_adapter(restarted) is None
     assert client_app.PROGRESS_KEY in restarted.state
 

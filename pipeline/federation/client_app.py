@@ -69,30 +69,25 @@ def served_plan(msg: Message, context: Context) -> Plan:
     return plan
 
 
-def _discard_earlier_run(plan: Plan, name: str, context: Context) -> None:
-    """Removes what an earlier run of the plan left on the client's disk (round checkpoints and DP-SGD record, which
-    a later round would resume; adapters; gate-log rounds): the server starts its run at round 1."""
-    ckpt_dir, out = client_checkpoint_dir(plan, name, context), client_dir(plan, name, context)
-    for stale in [*ckpt_dir.glob("round*"), ckpt_dir / DP_SENT, *out.glob("adapter_*"), *out.glob("gate_log/round*")]:
-        stale.unlink(missing_ok=True)
-
-
-def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> None:
-    """Puts the client's local adapter and progress into context.state when it lacks them and a round checkpoint
-    before ``rnd`` has them (a resumed run: a run that starts over had the client discard an earlier run's)."""
+def _client_round(msg: Message, context: Context) -> tuple[Plan, str, int]:
+    """A train or evaluate message's plan (served_plan), client and round, the client's local adapter and progress put
+    into context.state when it lacks them and a round checkpoint before the round has them (a resumed run: a run
+    that starts over had the client discard an earlier run's)."""
+    plan, name = served_plan(msg, context), client_name(context)
+    rnd = int(msg.content[CONFIG_KEY]["server-round"])
     if LOCAL_STATE_KEY in context.state:  # every message after the first: no checkpoint folder read
-        return
+        return plan, name, rnd
     ckpt_dir = client_checkpoint_dir(plan, name, context)
     ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
     sent = json.loads((ckpt_dir / DP_SENT).read_text()) if (ckpt_dir / DP_SENT).exists() else [rnd, None, None]
     steps = [s for s in (ckpt and ckpt.dp_steps, sent[2]) if s is not None]
     privacy.restore_dp_steps(context, max(steps, default=None))  # every released update, a redone round's again
-    if ckpt is None:
-        return
-    context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
-    if ckpt.trained:
+    if ckpt is not None:
+        context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
+    if ckpt is not None and ckpt.trained:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(load_adapter(ckpt.adapter))
         log.info("client %s: resumed local adapter from its round-%d checkpoint", name, ckpt.round)
+    return plan, name, rnd
 
 
 def _local_adapter(context: Context) -> dict[str, torch.Tensor] | None:
@@ -127,7 +122,11 @@ def client_identify(msg: Message, context: Context) -> Message:
     identity = ConfigRecord({"client-name": name, PLAN_HASH: plan.hash})
     # the plan the server runs only (its hash: a site's copy may lie elsewhere): another plan's node keeps its files
     if config.get(START_OVER) and config.get(PLAN_HASH) == identity[PLAN_HASH]:
-        _discard_earlier_run(plan, name, context)
+        # the server starts its run at round 1: what an earlier run left goes (round checkpoints and DP-SGD record,
+        # which a later round would resume; adapters; gate-log rounds)
+        ckpt, out = client_checkpoint_dir(plan, name, context), client_dir(plan, name, context)
+        for stale in [*ckpt.glob("round*"), ckpt / DP_SENT, *out.glob("adapter_*"), *out.glob("gate_log/round*")]:
+            stale.unlink(missing_ok=True)
     splits = read_partition(plan.paths["partition"])["clients"].get(name)
     if splits is not None:  # else only the name: the server refuses a client outside the plan, naming it
         identity.update({"num-train": len(splits["train"]), "num-valid": len(splits["valid"])})
@@ -144,25 +143,18 @@ def client_train(msg: Message, context: Context) -> Message:
 
 def train_round(msg: Message, context: Context) -> Message:
     """One training round of this client: the reply (adapter arrays, metrics; under SecAgg+ sent only masked)."""
-    plan = served_plan(msg, context)
-    spec = plan.spec
-    name = client_name(context)
-    config = msg.content[CONFIG_KEY]
-    rnd = int(config["server-round"])
+    plan, name, rnd = _client_round(msg, context)
     received = decode_global(msg.content[ARRAYS_KEY], plan)
     model = shared_model(plan)
-
-    _restore_client_state(context, plan, name, rnd)
-    from_global = spec.local_from_global or plan.train.local_adapter == "reset"
-    local = None if from_global else _local_adapter(context)
-    if local is None:
-        local = received  # AdaFedAvg: the average overwrites the client adapter; first round: start from it
+    # AdaFedAvg: the average overwrites the client adapter; first round (no local adapter yet): start from it
+    from_global = plan.spec.local_from_global or plan.train.local_adapter == "reset"
+    local = received if from_global or LOCAL_STATE_KEY not in context.state else _local_adapter(context)
     model.load_adapter_state("local", local)
-    if spec.two_adapters:
+    if plan.spec.two_adapters:
         model.load_adapter_state("global", received)  # the teacher: the server's aggregate, never trained
 
     data = client_data(plan, name)
-    mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
+    mu = float(msg.content[CONFIG_KEY].get("proximal-mu", 0.0)) if plan.spec.proximal else 0.0
     # its DP-SGD update of this round left before (a redo, maybe from another start): drawn afresh (docs/privacy.md)
     sent = client_checkpoint_dir(plan, name, context) / DP_SENT
     result = local_training.train_local(
@@ -179,7 +171,7 @@ def train_round(msg: Message, context: Context) -> Message:
     )
     new_local = model.adapter_state("local")
     context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(new_local)
-    if spec.two_adapters:  # the gate log stays on the client's disk
+    if plan.spec.two_adapters:  # the gate log stays on the client's disk
         out = client_dir(plan, name, context) / "gate_log" / f"round{rnd:03d}.parquet"
         atomic.to_parquet(result.gate_log, out, index=False)
 
@@ -198,20 +190,14 @@ def train_round(msg: Message, context: Context) -> Message:
 
 @client_app.evaluate()
 def client_evaluate(msg: Message, context: Context) -> Message:
-    plan = served_plan(msg, context)
-    spec = plan.spec
-    name = client_name(context)
-    rnd = int(msg.content[CONFIG_KEY]["server-round"])
+    plan, name, rnd = _client_round(msg, context)
     model = shared_model(plan)
-
-    _restore_client_state(context, plan, name, rnd)
     # the server sends the global to the local_from_global methods only
-    local = decode_global(msg.content[ARRAYS_KEY], plan) if spec.local_from_global else _local_adapter(context)
+    local = decode_global(msg.content[ARRAYS_KEY], plan) if plan.spec.local_from_global else _local_adapter(context)
     # A client not sampled yet has no local adapter: it is scored with the round-0 adapter, which is NOT kept as
     # its state, so its first train round starts from the global of that round (as a joining client does).
     trained = local is not None
-    if not trained:
-        local = initial_adapter_state(plan)
+    local = local if trained else initial_adapter_state(plan)
     model.load_adapter_state("local", local)
 
     data = client_data(plan, name)
@@ -223,7 +209,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else checkpoints.initial_progress()
     out = client_dir(plan, name, context)
     progress = checkpoints.keep_best_and_final(out, plan, name, rnd, val_loss, local, progress)
-    if trained and spec.local_from_global:  # the others' local adapter is in context.state already
+    if trained and plan.spec.local_from_global:  # the others' local adapter is in context.state already
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
     ckpt_dir, final = client_checkpoint_dir(plan, name, context), adapter_file(out, "final")

@@ -65,7 +65,6 @@ DP_METRICS = {
 CLIPPED_KEY = "dp-update-clipped"
 # Added under SecAgg+: the upload coordinates its quantiser clipped to +-clipping_range.
 SECAGG_CLIPPED_KEY = "secagg-clipped"
-SECAGG_METRICS = {SECAGG_CLIPPED_KEY: ("secagg_clipped", *COUNT)}  # as TRAIN_METRICS
 
 
 # A client's run-time settings (RunSettings.cache; none changes a result); a client never reads a params file.
@@ -221,7 +220,7 @@ def train_reply_metrics(content: RecordDict, plan: Plan) -> dict[str, Any]:
 def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
     """A train reply's metrics (in the clear, or those SecAgg+'s FitRes carried) as its row's fields, its DP-SGD
     report read (-1: unbounded): the keys ``plan``'s replies hold and no other, each one number of its type:
-    TRAIN_METRICS; DP_METRICS under example-level DP; SECAGG_METRICS under SecAgg+ (whose legacy_fit sends the
+    TRAIN_METRICS; DP_METRICS under example-level DP; SECAGG_CLIPPED_KEY under SecAgg+ (whose legacy_fit sends the
     clipping marks in the masked vector); in the clear under client-side clipping (no row fields) Flower's mod's
     KEY_NORM_BIT if adaptive, and CLIPPED_KEY (a reply without it is ClientLevelDP.clipped's: not clipped within C),
     each 0 or 1 (ClientLevelDP reads them with int()). Else, or unless it trained (num-examples, num-steps at least
@@ -230,7 +229,7 @@ def train_reply_row(m: MetricRecord | dict, plan: Plan) -> dict[str, Any]:
     p = plan.privacy
     spec = TRAIN_METRICS | (DP_METRICS if p is not None and p.mode == "example" else {})
     if p is not None and p.secure_aggregation:
-        spec |= SECAGG_METRICS
+        spec |= {SECAGG_CLIPPED_KEY: ("secagg_clipped", *COUNT)}
     elif p is not None and p.mode == "client" and p.clipping_side == "client":
         marks = ({KEY_NORM_BIT} if p.clipping == "adaptive" else set()) | ({CLIPPED_KEY} & m.keys())
         spec |= {key: (None, int, 0, 1) for key in sorted(marks)}
