@@ -255,6 +255,11 @@ def _scores(eval_dir: Path, name: str, scores: dict[str, dict[str, float]]) -> N
     pd.DataFrame(rows).to_parquet(eval_dir / name / "per_example.parquet", index=False)
 
 
+def _read(eval_dir: Path):
+    """compare's ``read``, as comparisons_table makes it."""
+    return lambda file, run: file(eval_dir, run)
+
+
 def _two_configs(runs: int) -> tuple[comparisons.Config, comparisons.Config]:
     a = comparisons.Config("iid", "A", "fedselectkd", "iid", tuple((s, f"a{s}") for s in range(runs)))
     return a, comparisons.Config("iid", "B", "fedavg", "iid", tuple((s, f"b{s}") for s in range(runs)))
@@ -274,7 +279,7 @@ def test_seeds_that_redraw_the_test_sets_use_each_seeds_full_test_set(tmp_path):
     for s, by_client in diffs.items():
         _scores(tmp_path, f"a{s}", {c: {i: 10.0 + d for i, d in ex.items()} for c, ex in by_client.items()})
         _scores(tmp_path, f"b{s}", {c: dict.fromkeys(ex, 10.0) for c, ex in by_client.items()})
-    rows = pd.DataFrame(comparisons.compare(*_two_configs(3), tmp_path, CFG), columns=comparisons.COLUMNS)
+    rows = pd.DataFrame(comparisons.compare(*_two_configs(3), _read(tmp_path), CFG, []), columns=comparisons.COLUMNS)
     got = rows[(rows["client"] == comparisons.AVERAGE) & (rows["metric"] == "avg_rouge")].iloc[0]
     per_seed = [[np.array(list(ex.values())) for ex in by_client.values()] for by_client in diffs.values()]
     D = np.array([np.mean([x.mean() for x in xs]) for xs in per_seed])
@@ -294,7 +299,7 @@ def test_a_client_some_seeds_lack_is_noted_and_the_client_average_left_out(tmp_p
         _scores(tmp_path, f"a{s}", scores)
         _scores(tmp_path, f"b{s}", {c: {i: v - 1.0 for i, v in ex.items()} for c, ex in scores.items()})
     notes: list[str] = []
-    rows = pd.DataFrame(comparisons.compare(*_two_configs(2), tmp_path, CFG, notes), columns=comparisons.COLUMNS)
+    rows = pd.DataFrame(comparisons.compare(*_two_configs(2), _read(tmp_path), CFG, notes), columns=comparisons.COLUMNS)
     assert set(rows["client"]) == {"X", "Y"}  # Y from its one seed, X from both
     assert set(rows.loc[rows["client"] == "Y", "n_seeds"]) == {1} and set(
         rows.loc[rows["client"] == "X", "n_seeds"]
@@ -312,7 +317,7 @@ def test_seeds_on_one_test_split_keep_their_crossed_comparison(tmp_path):
         a = {c: {f"{c}{i}": float(v) for i, v in enumerate(rng.normal(20, 4, n))} for c, n in (("X", 5), ("Y", 7))}
         _scores(tmp_path, f"a{s}", a)
         _scores(tmp_path, f"b{s}", {c: {i: v - rng.normal(1.0, 2.0) for i, v in ex.items()} for c, ex in a.items()})
-    rows = pd.DataFrame(comparisons.compare(*_two_configs(2), tmp_path, CFG), columns=comparisons.COLUMNS)
+    rows = pd.DataFrame(comparisons.compare(*_two_configs(2), _read(tmp_path), CFG, []), columns=comparisons.COLUMNS)
     got = rows[(rows["client"] == comparisons.AVERAGE) & (rows["metric"] == "avg_rouge")].iloc[0]
     assert (got["mean_diff"], got["ci_low"], got["ci_high"], got["p_value"], got["n_examples"], got["n_seeds"]) == (
         1.0492403197584408,
@@ -351,7 +356,7 @@ def test_seeds_that_redraw_the_test_sets_count_each_test_example_once_for_the_cl
     a = comparisons.Config("main", "fedselectkd", "fedselectkd", "iid", tuple((s, f"a{s}") for s in range(3)))
     b = comparisons.Config("main", "fedkd", "fedkd", "iid", tuple((s, f"b{s}") for s in range(3)))
     table = comparisons.with_holm(
-        pd.DataFrame(comparisons.compare(a, b, tmp_path, CFG), columns=comparisons.COLUMNS), CFG
+        pd.DataFrame(comparisons.compare(a, b, _read(tmp_path), CFG, []), columns=comparisons.COLUMNS), CFG
     )
     avg = table[(table["client"] == comparisons.AVERAGE) & (table["metric"] == "avg_rouge")].iloc[0]
     assert avg["n_seeds"] == 3 and avg["n_examples"] == len(set(pool)) == 40

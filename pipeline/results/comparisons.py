@@ -6,9 +6,10 @@ them: pipeline.results.claims."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,7 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
 
 def shared_ids(frame: pd.DataFrame) -> dict[str, list[str]]:
     """Per client, the test examples of ``frame`` (one seed's per-example scores; compare's: those A and B share)."""
-    ids = {c: sorted(set(frame.loc[frame["client"] == c, "example_id"])) for c in sorted(set(frame["client"]))}
-    return {c: shared for c, shared in ids.items() if shared}
+    return {c: sorted(set(frame.loc[frame["client"] == c, "example_id"])) for c in sorted(set(frame["client"]))}
 
 
 def client_rows(frame: pd.DataFrame, client: str, ids: list[str]) -> pd.DataFrame:
@@ -90,39 +90,41 @@ def client_rows(frame: pd.DataFrame, client: str, ids: list[str]) -> pd.DataFram
     return frame[frame["client"] == client].set_index("example_id").loc[ids]
 
 
-def _predictions(path: Path) -> dict[tuple[str, str], str]:
+def _predictions(eval_dir: Path, name: str) -> dict[tuple[str, str], str]:
     """(client, example id) -> the summary generated, from an evaluation's predictions.jsonl ({} without one)."""
+    path = eval_dir / name / "predictions.jsonl"
     rows = read_predictions(path, ("client", "example_id", "prediction")) if path.is_file() else []
     return {(str(c), str(e)): str(p) for c, e, p in rows}
 
 
-def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: list[str] | None = None) -> list[tuple]:
-    """Rows (:data:`COLUMNS`) for A - B: per client and on the client average, per metric; [] when they share no
-    seed or example. Seeds with the same test examples (a fixed test split) are crossed, seeds with their own (a
-    partition re-divided per seed) nested, each seed's full test sets (:func:`nested_interval`), a client some seeds
-    lack noted in ``notes`` and the client average then left out."""
+def compare(a: Config, b: Config, read: Callable, cfg: BootstrapConfig, notes: list[str]) -> list[tuple]:
+    """Rows (:data:`COLUMNS`) for A - B, its runs' files ``read(file, run)``: per client and on the client average, per
+    metric; [] and a note when they share no seed or example. Seeds with the same test examples (a fixed test split) are
+    crossed, seeds with their own (a partition re-divided per seed) nested, each seed's full test sets
+    (:func:`nested_interval`), a client some seeds lack noted, the client average then left out."""
     seeds_a, seeds_b = dict(a.runs), dict(b.runs)
     frames = {}
     for s in sorted(set(seeds_a) & set(seeds_b)):
-        fa, fb = per_example(eval_dir, seeds_a[s]), per_example(eval_dir, seeds_b[s])
+        fa, fb = read(per_example, seeds_a[s]), read(per_example, seeds_b[s])
         if fa is not None and fb is not None:
             both = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
             frames[s] = both.assign(**{k: both[f"{k}_a"] - both[f"{k}_b"] for k in SCORE_KEYS})  # A - B
     seeds = sorted(frames)
     ids = {s: shared_ids(frames[s]) for s in seeds}  # per seed, client: its examples
     if not any(ids.values()):
+        notes.append(f"{a.study}: {a.label} vs {b.label}: no evaluated seed and test example in common")
         return []
     nested = any(ids[s] != ids[seeds[0]] for s in seeds)
     clients = sorted(set().union(*ids.values()))
     lacking = {c: [s for s in seeds if c not in ids[s]] for c in clients}
-    for c in (c for c in clients if lacking[c] and notes is not None):
+    for c in (c for c in clients if lacking[c]):
         notes.append(
             f"{a.study}: {a.label} vs {b.label}: client {c} has no paired test example in seed(s) "
             f"{', '.join(map(str, lacking[c]))}; its rows use the other seeds, and no client average is given"
         )
     same: dict[str, list[bool]] = defaultdict(list)
     for s in seeds:
-        pa, pb = (_predictions(eval_dir / runs[s] / "predictions.jsonl") for runs in (seeds_a, seeds_b))
+        pa, pb = (read(_predictions, runs[s]) for runs in (seeds_a, seeds_b))
         for client, e in ids[s].items():
             same[client] += [pa[(client, i)] == pb[(client, i)] for i in e if (client, i) in pa and (client, i) in pb]
 
@@ -153,13 +155,7 @@ def comparisons_table(
     docs/statistics.md lists them), and a note per comparison that could not be made."""
     rows: list[tuple] = []
     notes: list[str] = []
-
-    def add(config: Config, base: Config) -> None:
-        if not (found := compare(config, base, eval_dir, cfg, notes)):
-            notes.append(
-                f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example in common"
-            )
-        rows.extend(found)
+    read = functools.cache(lambda file, run: file(eval_dir, run))  # each run's files read once per table, not per pair
 
     baselines = list(dict.fromkeys([*baselines, *MAIN_ORDER]))
     done: set[tuple[Config, Config]] = set()
@@ -179,7 +175,7 @@ def comparisons_table(
                 )
             elif base != config and (config, base) not in done and (base, config) not in done:
                 done.add((config, base))
-                add(config, base)
+                rows.extend(compare(config, base, read, cfg, notes))
         plain = _plain(config, configs, config.study) if config.dp else None  # the same without privacy
         if config.dp and plain is None:
             notes.append(
@@ -187,7 +183,7 @@ def comparisons_table(
                 f"partition scheme {config.scheme!r} in its study to compare with"
             )
         elif plain is not None:
-            add(config, plain)
+            rows.extend(compare(config, plain, read, cfg, notes))
     return with_holm(pd.DataFrame(rows, columns=COLUMNS), cfg), notes
 
 

@@ -181,8 +181,7 @@ def convergence_note(table: pd.DataFrame | None, studies: Iterable[str], labels:
     if table is None or table.empty:
         return ""
     sub = table[table["study"].isin(list(studies))]
-    if labels is not None:
-        sub = sub[sub["label"].isin(list(labels))]
+    sub = sub[sub["label"].isin(list(labels))] if labels is not None else sub
     flagged, stop = sub[sub["best_is_last"].astype(bool)], sub.dropna(subset=["converged"])
     unmet = stop[~stop["converged"].astype(bool)].groupby("experiment")["last_round"].max()  # at their ceilings
     if flagged.empty and unmet.empty:
