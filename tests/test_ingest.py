@@ -279,6 +279,24 @@ def test_a_split_allowed_absent_is_not_downloaded_nor_fetched_again(mirror, tmp_
     assert set(frame.split[frame.domain == "Product"]) == {"train", "valid"}
 
 
+def test_a_failed_write_is_not_taken_for_a_split_allowed_absent(mirror, tmp_path, monkeypatch):
+    """Only a failed fetch may mean "absent upstream"; a full disk while writing a fetched split is an error."""
+    site = _upstream_layout(mirror, tmp_path)
+    cfg = IngestConfig(
+        data_root=str(tmp_path / "no-mirror"),
+        raw_dir=str(tmp_path / "raw"),
+        urls={"qmsum": (site / "qmsum").as_uri()},
+        allow_absent_splits=["qmsum/*"],
+    )
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sources.atomic, "write_bytes", disk_full)
+    with pytest.raises(DataError, match="No space left on device"):
+        resolve_source("qmsum", cfg)
+
+
 def test_a_download_url_may_end_in_a_slash_whatever_its_last_letter(mirror, tmp_path):
     site = _upstream_layout(mirror, tmp_path)
     shutil.move(site / "qmsum", site / "qmsumX")  # a copy whose directory name ends in "X"

@@ -94,10 +94,12 @@ def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
             if (target / rel).is_file():  # resume an interrupted download
                 continue
             try:
-                atomic.write_bytes(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
+                data = _fetch(f"{base}/{spec.upstream_path(rel)}")
             except OSError:  # URLError, HTTPError: a split allowed absent may be absent upstream too
                 if not absent_allowed(split_key, cfg.allow_absent_splits):
                     raise
+                continue
+            atomic.write_bytes(target / rel, data)  # outside the try: a failed write is never taken for an absent split
     # URLError is an OSError; ValueError: urlopen's "unknown url type" (an address without http(s):// or file://)
     except (ValueError, OSError, zipfile.BadZipFile) as exc:
         raise DataError(_how_to_fix(dataset, cfg, f"download from {base} failed ({exc})")) from exc

@@ -90,7 +90,7 @@ def mean_scores(per_example: Iterable[dict[str, float]]) -> dict[str, float]:
 def client_scores(predictions: list[str], sub, n_test: int) -> tuple[list[dict[str, float]], dict[str, float]]:
     """ROUGE per example of a client's ``predictions`` on its test subsample ``sub`` (of ``n_test`` ids) and its entry
     of metrics.json (means, ``n_test``, how many subsampling left out), for the evaluate stage and a deployed client."""
-    scores = Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
+    scores = Scorer().score_pairs(predictions, sub["target"].tolist())
     return scores, mean_scores(scores) | {"n_test": n_test, "skipped_by_subsampling": n_test - len(sub)}
 
 
