@@ -102,20 +102,17 @@ def accumulation_steps(batches: list[Batch], accum_steps: int, normalisation: st
     """``batches`` as optimizer steps (consecutive windows of ``accum_steps`` batches, the last one possibly shorter),
     each batch with its weight in its step: its target tokens (``tokens``) or sequences (``sequences``) over the
     window's, so accumulated micro-batch means add up to the mean over the effective batch."""
-    sizes = [
-        b.target_tokens if normalisation == "tokens" else int(((b.labels != IGNORE_INDEX).sum(dim=1) > 0).sum())
-        for b in batches
-    ]
-    pairs = list(zip(batches, sizes))
+    pairs = [(b, per_example_loss_scale(b, normalisation)) for b in batches]  # integral: exact float sums
     windows = [pairs[start : start + accum_steps] for start in range(0, len(pairs), accum_steps)]
     return [[(b, n / sum(m for _, m in window)) for b, n in window] for window in windows]
 
 
-def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: int) -> float:
+def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: int = 1) -> float:
     """A DP-SGD micro-batch's weight (pipeline.privacy.example_dp): the factor turning ``distillation_loss``'s batch
     mean into the sum of per-example losses, each a function of its example alone (so clipping bounds its
     contribution): ``tokens``, sum_t L_t / max_target_length (a public denominator; the batch mean x N_tokens /
-    T_max); ``sequences``, each example's token mean."""
+    T_max); ``sequences``, each example's token mean. With ``max_target_length`` 1: the batch's size, its target
+    tokens or its sequences with a target token (what :func:`accumulation_steps` weighs a step's batches by)."""
     if normalisation == "tokens":
         return batch.target_tokens / max_target_length
     return float(int(((batch.labels != IGNORE_INDEX).sum(dim=1) > 0).sum()))
