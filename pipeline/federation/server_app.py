@@ -148,10 +148,17 @@ def run_server(
             list(strategy.configure_train(rnd, base, ConfigRecord(config), view)) if admitted or client_level else []
         )
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
+        # This round's history row per client: sampled (with its downlink bytes), admitted but not sampled, or absent
+        # (its SuperNode gone, Flower marked it offline: recorded, not waited for; the late client waits for its round)
+        rows: dict[str, dict[str, Any]] = {}
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
-        waiting = {late} if joined_at is None else set()  # the late client before its round
-        rows = _round_rows(rnd, messages, admitted, set(clients) - set(connected.values()) - waiting, node_names)
+            name = node_names[m.metadata.dst_node_id]
+            rows[name] = history_row(rnd, name, 1) | {"bytes_down": payload_bytes(m.content)}
+        for n in admitted:
+            rows.setdefault(node_names[n], history_row(rnd, node_names[n], 0))
+        for name in sorted(set(clients) - set(connected.values()) - ({late} if joined_at is None else set())):
+            rows[name] = history_row(rnd, name, 0, absent=1)
         exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s, client_level, clipping_norm)
         if secure is None:
             new_arrays = _train_in_the_clear(exchange, messages, plan, base, sent)
@@ -183,20 +190,6 @@ def run_server(
         history.extend(rows[c] for c in sorted(rows))
         save_server_checkpoint(plan, rnd, state, strategy, history)
     return ArrayRecord.from_torch_state_dict(state), history
-
-
-def _round_rows(
-    rnd: int, messages: list[Message], admitted: list[int], absent: set[str], node_names: dict[int, str]
-) -> dict[str, dict[str, Any]]:
-    """This round's history row per client: sampled (with its downlink bytes), admitted but not sampled, or absent
-    (its SuperNode is gone, Flower marked it offline: recorded, not waited for)."""
-    sampled = {node_names[m.metadata.dst_node_id]: payload_bytes(m.content) for m in messages}
-    rows = {name: history_row(rnd, name, 1) | {"bytes_down": down} for name, down in sampled.items()}
-    for n in admitted:
-        rows.setdefault(node_names[n], history_row(rnd, node_names[n], 0))
-    for name in sorted(absent):
-        rows[name] = history_row(rnd, name, 0, absent=1)
-    return rows
 
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:
