@@ -33,8 +33,6 @@ from pipeline.results.plotting import slug
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, read_eval_metrics, read_gate_log
 
-MAIN_STUDY = "main"
-
 
 @config
 class AnalyzeConfig:
@@ -48,7 +46,7 @@ class Analysis:
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
         # kd_analysis.json, never replaced by numbers
         self.missing: dict[tuple[str, str], list[str]] = {}
-        self.main = [e for e in experiments if e.method == SELECTKD and e.study == MAIN_STUDY]
+        self.main = [e for e in experiments if e.method == SELECTKD and e.study == "main"]
 
     @functools.cached_property
     def postags(self) -> pd.DataFrame:

@@ -293,10 +293,10 @@ def published_difference(backbone: str, method_a: str, method_b: str, client: st
     """The paper's A - B for one client (or the client average) and metric; None where it reports none."""
     table = published.MAIN_TABLE[backbone]
     clients = list(table) if client == AVERAGE else [client]
-    field = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": "rougeL", "avg_rouge": "average"}.get(metric)
-    if field is None or any(c not in table or method_a not in table[c] or method_b not in table[c] for c in clients):
+    cells = [table[c] for c in clients if {method_a, method_b} <= table.get(c, {}).keys()]  # {method: Rouge3}
+    if metric not in (*TABLE_METRICS, "avg_rouge") or len(cells) < len(clients):
         return None
-    return sum(getattr(table[c][method_a], field) - getattr(table[c][method_b], field) for c in clients) / len(clients)
+    return sum(getattr(r[method_a], metric) - getattr(r[method_b], metric) for r in cells) / len(cells)
 
 
 def with_published(table: pd.DataFrame) -> pd.DataFrame:

@@ -29,7 +29,7 @@ class Rouge3:  # ROUGE-1 / ROUGE-2 / ROUGE-L F1 x 100 as printed in the paper
     rougeL: float
 
     @property
-    def average(self) -> float:
+    def avg_rouge(self) -> float:  # the tables' avg_rouge: the mean of the three (comparisons.published_difference)
         return (self.rouge1 + self.rouge2 + self.rougeL) / 3
 
 
