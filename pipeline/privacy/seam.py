@@ -46,8 +46,7 @@ def check_run(plan) -> None:
     where, cap = plan.source or plan.experiment, plan.train.max_train_examples_per_client
     if cfg.mode == "client":
         server_setting(plan, len(clients))
-        return
-    for name, splits in clients.items():
+    for name, splits in clients.items() if cfg.mode == "example" else {}:
         n = len(splits["train"])
         client_privacy(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
 
