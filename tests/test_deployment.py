@@ -762,7 +762,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     from pipeline.federation.localhost import LocalhostFederation
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import load_server_checkpoint
-    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.privacy.secure_aggregation import SecureAggregator, aggregation_error_bound
     from pipeline.train import run_experiment
     from tests.test_privacy import _write_plan
     from tests.test_secure_aggregation import N_TRAIN, _spy_uploads
@@ -800,7 +800,9 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     _no_process_left(before, started)
 
     cfg_sa = SecAggConfig()
-    bound = aggregation_error_bound(weights, weight_scale(cfg_sa, max(N_TRAIN.values())), cfg_sa, max_abs(states))
+    bound = aggregation_error_bound(
+        weights, SecureAggregator(cfg_sa, max(N_TRAIN.values()), 1.0).scale, cfg_sa, max_abs(states)
+    )
     assert events[0][0] == 1
     assert max_diff(events[0][1], weighted_mean(states, weights)) <= bound
     rows = {(r["round"], r["client"]): r for r in json.loads(Path("models/sa-loc/rounds.json").read_text())}

@@ -33,16 +33,16 @@ SECURE = {"secure_aggregation": True}
 
 # ------------------------------------------------------------------------------------------ the bound
 def test_bound_is_the_documented_formula_for_a_hand_computed_case():
-    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.privacy.secure_aggregation import SecureAggregator, aggregation_error_bound
 
     cfg = SecAggConfig(clipping_range=8.0, quantization_range=2**22)
-    assert weight_scale(cfg, 10) == 419430  # 4194304 // 10
+    assert SecureAggregator(cfg, 10, 1.0).scale == 419430  # 4194304 // 10
     # k = 3, weights 3 + 7 + 10 = 20, sum q = 419430 * 20 = 8388600, m = 8:
     # 3 * (4194304 / 8388600) * (16 / 4194304 + 10 * 8 / 2**24) + 6 * 8 / 2**24
     expected = 3 * 0.5000004768 * (3.814697265625e-06 + 4.76837158203125e-06) + 2.86102294921875e-06
     assert aggregation_error_bound([3, 7, 10], 419430, cfg, 8.0) == pytest.approx(expected, rel=1e-9)
     with pytest.raises(ValueError, match="below the largest client weight 5000"):
-        weight_scale(SecAggConfig(quantization_range=4096), 5000)
+        SecureAggregator(SecAggConfig(quantization_range=4096), 5000, 1.0)
 
 
 def test_client_level_noise_under_secagg_covers_what_a_quantised_upload_adds():
@@ -173,10 +173,10 @@ def _spy_globals(monkeypatch) -> dict[int, dict[str, np.ndarray]]:
 
 def _check_rounds_against_uploads(uploads, globals_, rounds, in_sum) -> list[float]:
     """Every round's unmasked global against the exact FedAvg of the uploads of the clients ``in_sum(rnd)``."""
-    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.privacy.secure_aggregation import SecureAggregator, aggregation_error_bound
 
     cfg = SecAggConfig()
-    scale = weight_scale(cfg, max(N_TRAIN.values()))
+    scale = SecureAggregator(cfg, max(N_TRAIN.values()), 1.0).scale
     diffs = []
     for rnd in rounds:
         states = [uploads[(rnd, c)][0] for c in in_sum(rnd)]
@@ -213,7 +213,7 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
     import mlflow
 
     from pipeline.federation.protocol import TRAIN_METRICS
-    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.privacy.secure_aggregation import SecureAggregator, aggregation_error_bound
     from pipeline.train import run_experiment
 
     uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
@@ -258,7 +258,7 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
             np.testing.assert_array_equal(v, secure_uploads[(1, c)][0][k])
     states = [uploads[(1, c)][0] for c in N_TRAIN]
     bound = aggregation_error_bound(
-        list(N_TRAIN.values()), weight_scale(SecAggConfig(), 6), SecAggConfig(), max_abs(states)
+        list(N_TRAIN.values()), SecureAggregator(SecAggConfig(), 6, 1.0).scale, SecAggConfig(), max_abs(states)
     )
     assert max_diff(secure_round1, globals_[1]) <= bound
     assert "secure_aggregation" not in plain

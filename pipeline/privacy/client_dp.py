@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.differential_privacy import (
@@ -31,7 +31,7 @@ from pipeline.federation.protocol import (
     plan_path_of,
 )
 from pipeline.privacy.accounting import FederationPrivacy
-from pipeline.privacy.secure_aggregation import is_legacy_fit, upload_error
+from pipeline.privacy.secure_aggregation import is_legacy_fit, keyed, upload_error
 from pipeline.training.seeds import derived_seed
 
 log = logging.getLogger("fedmeet.federated")
@@ -91,7 +91,7 @@ class ClientLevelDP(Strategy):
             if not self.client_side:  # clipped here: W + clip(W_i - W)
                 update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), base, strict=True)]
                 clipped += int(adaptive_clip_inputs_inplace(update, self.clipping_norm))
-                reply.content[ARRAYS_KEY] = _record(received.keys(), [w + u for w, u in zip(base, update, strict=True)])
+                reply.content[ARRAYS_KEY] = keyed(received.keys(), [w + u for w, u in zip(base, update, strict=True)])
             elif self.adaptive:  # its 0/1 mark checked (protocol.train_reply_metrics: a reply without it is left out)
                 clipped += int(metrics[KEY_NORM_BIT])
         inner = self.strategy
@@ -118,12 +118,12 @@ class ClientLevelDP(Strategy):
         mean = mean or self._arrays  # nobody in the sum: W and the noise (an unchanged W tells the sample was empty)
         if aggregated not in (m, 0):
             k, arrays = aggregated, zip(mean.to_numpy_ndarrays(), self._arrays.to_numpy_ndarrays())
-            mean = _record(mean.keys(), [(w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype) for a, w in arrays])
+            mean = keyed(mean.keys(), [(w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype) for a, w in arrays])
         if (z := self.setting.update_noise_multiplier) == 0:
             return mean
         arrays, error = mean.to_numpy_ndarrays(), upload_error(self.cfg.secagg) if self.cfg.secure_aggregation else 0
         std = compute_stdv(z, norm + math.sqrt(sum(a.size for a in arrays)) * error, m)  # SecAgg+: a quantised upload
-        return _record(mean.keys(), [a + rng.normal(0.0, std, a.shape).astype(a.dtype) for a in arrays])
+        return keyed(mean.keys(), [a + rng.normal(0.0, std, a.shape).astype(a.dtype) for a in arrays])
 
     def _generator(self, server_round: int, *stream: int) -> np.random.Generator:
         n = self.releases.get(str(server_round), 0)  # the round's releases before this one: a redo's n-th, [..., 2, n]
@@ -169,10 +169,6 @@ class ClientLevelDP(Strategy):
         }
         for name, (bit, norm) in clipped.items():
             rows[name].update(update_clipped=bit, update_norm=None if norm is None else float(norm), **this_round)
-
-
-def _record(keys, arrays: list[np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.asarray(a)) for k, a in zip(keys, arrays, strict=True)})
 
 
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:

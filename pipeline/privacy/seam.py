@@ -46,8 +46,7 @@ def check_run(plan) -> None:
     where, cap = plan.source or plan.experiment, plan.train.max_train_examples_per_client
     if cfg.mode == "client":
         server_setting(plan, len(clients))
-        return
-    for name, splits in clients.items():
+    for name, splits in clients.items() if cfg.mode == "example" else {}:
         n = len(splits["train"])
         client_privacy(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
 
@@ -81,7 +80,7 @@ def secure_aggregator(
         if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
             return SecureAggregator(plan.privacy.secagg, 1, timeout, clipped_bits=True)
         # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
-        # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.weight_scale).
+        # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.SecureAggregator.scale).
         reported = [sizes.get(c, {}).get("num-train") for c in clients] if sizes else [None]
         if None in reported:
             reported = [len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values()]

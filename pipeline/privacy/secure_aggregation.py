@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
@@ -46,18 +45,6 @@ ARRAY_KEYS = "array-keys"  # FitIns config: the adapter's tensor names (legacy P
 FLOAT32_EPS = 2.0**-24  # unit roundoff of float32
 
 
-def weight_scale(cfg: SecAggConfig, max_weight: int) -> int:
-    """s = Q // (largest FedAvg weight): Flower's integer weight of a client is then n_i * s exactly."""
-    if max_weight < 1:
-        raise ValueError("secure aggregation: no client has a training example")
-    if cfg.quantization_range < max_weight:
-        raise ValueError(
-            f"privacy.secagg.quantization_range {cfg.quantization_range} is below the largest client "
-            f"weight {max_weight}: Flower's integer weights would round; raise it"
-        )
-    return cfg.quantization_range // max_weight
-
-
 def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfig, max_abs: float) -> float:
     """Largest possible |SecAgg+ mean - plain FedAvg mean| of one coordinate, for the k clients in the sum, when no
     coordinate was clipped (Q = ``quantization_range``, c = ``clipping_range``, q_i = n_i * s, u = 2**-24):
@@ -68,6 +55,10 @@ def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfi
     (k + 3) u m. Equal weights: about 2c/Q + 10uc (8.6e-6 with c = 8, Q = 2**22: 2c/Q is 3.8e-6 of it)."""
     k, total_q = len(weights), scale * sum(int(w) for w in weights)
     return k * (cfg.quantization_range / total_q) * upload_error(cfg) + (k + 3) * FLOAT32_EPS * max_abs
+
+
+def keyed(keys, arrays: list[np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.asarray(a)) for k, a in zip(keys, arrays, strict=True)})
 
 
 def upload_error(cfg: SecAggConfig) -> float:  # one coordinate's, of an upload of integer weight Q (2c/Q + 10uc)
@@ -287,7 +278,14 @@ class SecureAggregator:
 
     def __init__(self, cfg: SecAggConfig, max_weight: int, timeout: float, clipped_bits: bool = False):
         self.cfg, self.clipped_bits, self.timeout = cfg, clipped_bits, timeout
-        self.scale = weight_scale(cfg, max_weight)
+        if max_weight < 1:
+            raise ValueError("secure aggregation: no client has a training example")
+        if cfg.quantization_range < max_weight:
+            raise ValueError(
+                f"privacy.secagg.quantization_range {cfg.quantization_range} is below the largest client "
+                f"weight {max_weight}: Flower's integer weights would round; raise it"
+            )
+        self.scale = cfg.quantization_range // max_weight  # s: Flower's integer weight of a client is n_i * s exactly
 
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
         run_id, offers = grid.run.run_id, []
@@ -330,7 +328,5 @@ class SecureAggregator:
             count = bit_mean * len(in_sum) / (self.cfg.clipping_range / 2)
             out.clipped_count = min(max(int(round(count)), 0), len(in_sum))
         dtype = messages[0].content[ARRAYS_KEY][keys[0]].numpy().dtype
-        out.arrays = ArrayRecord.from_torch_state_dict(
-            {k: torch.from_numpy(np.asarray(a, dtype=dtype)) for k, a in zip(keys, mean)}
-        )
+        out.arrays = keyed(keys, [np.asarray(a, dtype=dtype) for a in mean])
         return out
