@@ -20,7 +20,7 @@ from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_st
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, check_run_keys
-from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
+from pipeline.experiments.train_config import TRAIN_KEYS, TrainConfig, train_config
 from pipeline.federation.strategies.catalog import BUILDERS
 from pipeline.modeling.cache import DTYPES
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES
@@ -50,7 +50,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
         )
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    train_fields = train_keys() | set(RUN_TRAIN_KEYS)
+    train_fields = TRAIN_KEYS | set(RUN_TRAIN_KEYS)
     overrides = {k: v for k, v in raw.items() if k not in ENTRY_KEYS and k != PRIVACY_KEY}
     if unknown := sorted(set(overrides) - train_fields):
         raise ConfigError(
