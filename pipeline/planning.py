@@ -89,22 +89,18 @@ def declared(params: dict[str, Any], file: str = "params.yaml") -> list[Experime
     return [parse_entry(name, raw, params, file) for name, raw in group(params, "experiments", file).items()]
 
 
-# Train keys that only matter for some methods: left out of other methods' plans so changing them does not
-# rerun experiments whose result cannot change.
-_KD_KEYS = ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")
-_FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")
-
-
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
+    """The plan's `train` mapping: the keys that only matter for some methods are left out of other methods' plans,
+    so changing them does not rerun experiments whose result cannot change."""
     out = dataclasses.asdict(train)
     strategy_params = out.pop("strategy_params")
     rules = (  # (whether it applies, the keys it leaves out)
         (train.kd_gate == "entropy", ("kd_gate",)),  # the paper's gate: plans as before
-        (method.kd_mode == "ce", _KD_KEYS),
+        (method.kd_mode == "ce", ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")),
         (method.kd_mode != "selective", ("entropy_log_base", "tau_scale", "kd_gate")),
         (method.new_client != "post", ("new_client", "join")),  # only a late joiner is named (pre: all from round 1)
         (not train.stop.enabled, ("stop",)),  # a fixed number of rounds: plans as before train.stop existed
-        (not method.federated, _FEDERATED_KEYS),
+        (not method.federated, ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")),
         (not method.pooled, ("centralized_steps",)),  # the pooled training set's round size (AdaCentralized)
         (method.local_from_global, ("local_adapter",)),  # the server average overwrites the adapter whatever this says
         (train.transfer_dtype == "fp32", ("transfer_delta",)),  # fp32 sends the weights themselves, exactly
