@@ -41,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
     imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
     args = parser.parse_args(argv)
-
     if args.command == "import-eval":  # each record into its training run, else into a new run of its study
         for path in args.records:
             metrics = read_json(path, "evaluation record (reports/eval/<exp>/metrics.json)")
@@ -54,30 +53,27 @@ def main(argv: list[str] | None = None) -> int:
             study = {"study": args.study or metrics.get("study") or "main"}
             log_to_mlflow(record | study, metrics, path.parent, EvaluateConfig(), converged, run_tags=record)
         print(f"evaluate: logged {len(args.records)} evaluation record(s) to MLflow")
-        return 0
-
-    if args.command == "score":  # a bad file: DataError, one line and exit 2 (pipeline.common.cli.run)
+    elif args.command == "score":  # a bad file: DataError, one line and exit 2 (pipeline.common.cli.run)
         # keys sorted: the same scores print as the same bytes, whatever order they were computed in
         print(json.dumps(score_files(args.pred, args.ref), indent=2, sort_keys=True))
-        return 0
-
-    _, cfg, bootstrap = cli.read_params(args.params, evaluate=EvaluateConfig, bootstrap=BootstrapConfig)
-    if args.command == "model":
-        with tempfile.TemporaryDirectory() as tmp:
-            tags = download_model(args.model, Path(tmp))
-            out = evaluate_experiments(
-                [tags["experiment"]],
-                dataclasses.replace(cfg, adapter="best"),
-                models_dir=Path(tmp),
-                eval_dir=Path(tmp) / "eval",
-                mlflow_logging=False,
-                bootstrap=bootstrap,
-                only=tags["client"],
-            )[tags["experiment"]]
-        print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
-        return 0
-    with stage_timer(f"evaluate-{args.experiment}"):
-        evaluate_experiments([args.experiment], cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
+    else:
+        _, cfg, bootstrap = cli.read_params(args.params, evaluate=EvaluateConfig, bootstrap=BootstrapConfig)
+        if args.command == "model":
+            with tempfile.TemporaryDirectory() as tmp:
+                tags = download_model(args.model, Path(tmp))
+                out = evaluate_experiments(
+                    [tags["experiment"]],
+                    dataclasses.replace(cfg, adapter="best"),
+                    models_dir=Path(tmp),
+                    eval_dir=Path(tmp) / "eval",
+                    mlflow_logging=False,
+                    bootstrap=bootstrap,
+                    only=tags["client"],
+                )[tags["experiment"]]
+            print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
+        else:
+            with stage_timer(f"evaluate-{args.experiment}"):
+                evaluate_experiments([args.experiment], cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
     return 0
 
 

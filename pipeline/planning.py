@@ -20,7 +20,7 @@ from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_st
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, check_run_keys
-from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
+from pipeline.experiments.train_config import TRAIN_KEYS, TrainConfig, train_config
 from pipeline.federation.strategies.catalog import BUILDERS
 from pipeline.modeling.cache import DTYPES
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES
@@ -50,7 +50,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
         )
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    train_fields = train_keys() | set(RUN_TRAIN_KEYS)
+    train_fields = TRAIN_KEYS | set(RUN_TRAIN_KEYS)
     overrides = {k: v for k, v in raw.items() if k not in ENTRY_KEYS and k != PRIVACY_KEY}
     if unknown := sorted(set(overrides) - train_fields):
         raise ConfigError(
@@ -89,22 +89,18 @@ def declared(params: dict[str, Any], file: str = "params.yaml") -> list[Experime
     return [parse_entry(name, raw, params, file) for name, raw in group(params, "experiments", file).items()]
 
 
-# Train keys that only matter for some methods: left out of other methods' plans so changing them does not
-# rerun experiments whose result cannot change.
-_KD_KEYS = ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")
-_FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")
-
-
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
+    """The plan's `train` mapping: the keys that only matter for some methods are left out of other methods' plans,
+    so changing them does not rerun experiments whose result cannot change."""
     out = dataclasses.asdict(train)
     strategy_params = out.pop("strategy_params")
     rules = (  # (whether it applies, the keys it leaves out)
         (train.kd_gate == "entropy", ("kd_gate",)),  # the paper's gate: plans as before
-        (method.kd_mode == "ce", _KD_KEYS),
+        (method.kd_mode == "ce", ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")),
         (method.kd_mode != "selective", ("entropy_log_base", "tau_scale", "kd_gate")),
         (method.new_client != "post", ("new_client", "join")),  # only a late joiner is named (pre: all from round 1)
         (not train.stop.enabled, ("stop",)),  # a fixed number of rounds: plans as before train.stop existed
-        (not method.federated, _FEDERATED_KEYS),
+        (not method.federated, ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")),
         (not method.pooled, ("centralized_steps",)),  # the pooled training set's round size (AdaCentralized)
         (method.local_from_global, ("local_adapter",)),  # the server average overwrites the adapter whatever this says
         (train.transfer_dtype == "fp32", ("transfer_delta",)),  # fp32 sends the weights themselves, exactly

@@ -131,10 +131,8 @@ def overrides(preset: dict[str, Any]) -> list[str]:
     """The ``--set-param`` overrides for ``dvc exp run``, one per leaf key, in file order."""
     out: list[str] = []
     for key, value in flatten(preset, whole=REPLACED_WHOLE).items():
-        if key in REPLACED_WHOLE:
-            out += [f"~{key}", f"+{key}={hydra_value(value)}"]
-        else:
-            out.append(f"{key}={hydra_value(value)}")
+        value = hydra_value(value)
+        out += [f"~{key}", f"+{key}={value}"] if key in REPLACED_WHOLE else [f"{key}={value}"]
     return out
 
 

@@ -89,17 +89,14 @@ STRATEGIES: dict[str, StrategySpec] = {
         StrategySpec("fedtrimmedavg", FedTrimmedAvgSettings, group="fedtrimmedavg"),
     ]
 }
+# Every params `train` key a strategy owns (they are the strategies', not TrainConfig's).
+STRATEGY_KEYS = frozenset(key for spec in STRATEGIES.values() for key in spec.params_keys)
 
 
 def get_strategy(name: str) -> StrategySpec:
     if name not in STRATEGIES:
         raise ValueError(f"unknown server strategy {name!r}; expected one of {', '.join(sorted(STRATEGIES))}")
     return STRATEGIES[name]
-
-
-def strategy_params_keys() -> set[str]:
-    """Every params `train` key a strategy owns (they are the strategies', not TrainConfig's)."""
-    return {key for spec in STRATEGIES.values() for key in spec.params_keys}
 
 
 @config(frozen=True)

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from pipeline.common.config import Fraction, NonNegative, Positive, PositiveInt, config, from_dict
-from pipeline.experiments.methods import STRATEGIES, strategy_params_keys
+from pipeline.experiments.methods import STRATEGIES, STRATEGY_KEYS
 
 # The loss's settings (LossSettings)
 # The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
@@ -86,16 +86,15 @@ class TrainConfig(LossSettings):
     strategy_params: dict[str, Any] = field(default_factory=dict)
 
 
-def train_keys() -> set[str]:
-    """Every key params `train` may hold for a plan: TrainConfig's and the declared strategies'."""
-    return ({f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_params"}) | strategy_params_keys()
+# Every key params `train` may hold for a plan: TrainConfig's and the declared strategies'.
+TRAIN_KEYS = ({f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_params"}) | STRATEGY_KEYS
 
 
 def train_config(data: dict[str, Any] | None, where: str = "train") -> TrainConfig:
     """TrainConfig from a `train` mapping: the strategies' keys go to ``strategy_params``, each declared
     strategy's settings checked there (a bad value raises ConfigError naming ``where.<key>``)."""
     data = dict(data or {})
-    strategy_params = {k: data.pop(k) for k in sorted(strategy_params_keys() & set(data))}
+    strategy_params = {k: data.pop(k) for k in sorted(STRATEGY_KEYS & set(data))}
     for spec in STRATEGIES.values():
         spec.settings(strategy_params, where)
     return dataclasses.replace(from_dict(TrainConfig, data, where), strategy_params=strategy_params)
