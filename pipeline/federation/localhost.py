@@ -205,9 +205,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
                 raise FederationError(
                     f"registering the key of SuperNode {name} failed: {tail(out.stdout + out.stderr)}"
                 )
-        for name in self.clients:
-            self.start_supernode(name)
-        for proc in self.supernodes.values():
+        for proc in [self.start_supernode(name) for name in self.clients]:  # all started, then each waited for
             self.wait_registered(proc)
 
     def submit(self) -> Process:
