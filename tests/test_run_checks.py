@@ -377,6 +377,18 @@ def test_status_reports_the_run_flwr_run_started_or_that_it_started_none(monkeyp
     assert len(calls) == 1  # the SuperLink is not asked about a run that never started
 
 
+@pytest.mark.parametrize("text", [None, "{not json", "[7]", '"started"'])
+def test_status_names_a_submitted_file_that_holds_no_run_in_one_line(tmp_path, capsys, text):
+    """--submitted names what `flwr run --format json` printed; a missing file, invalid JSON or JSON other than an
+    object is one line naming the file (a list or a string raised AttributeError, a traceback), no SuperLink asked."""
+    submitted = tmp_path / "run.json"
+    if text is not None:
+        submitted.write_text(text)
+    assert run_cli(cli.main, ["status", "fedmeet", "--submitted", str(submitted)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and str(submitted) in err, err
+
+
 def test_status_says_when_it_cannot_reach_the_superlink():
     down = '{"success": false, "error-message": "Connection refused: 127.0.0.1:9093"}'
     with pytest.raises(FederationError, match="cannot reach the SuperLink: Connection refused"):

@@ -75,18 +75,17 @@ def _client_round(msg: Message, context: Context) -> tuple[Plan, str, int]:
     that starts over had the client discard an earlier run's)."""
     plan, name = served_plan(msg, context), client_name(context)
     rnd = int(msg.content[CONFIG_KEY]["server-round"])
-    if LOCAL_STATE_KEY in context.state:  # every message after the first: no checkpoint folder read
-        return plan, name, rnd
-    ckpt_dir = client_checkpoint_dir(plan, name, context)
-    ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
-    sent = json.loads((ckpt_dir / DP_SENT).read_text()) if (ckpt_dir / DP_SENT).exists() else [rnd, None, None]
-    steps = [s for s in (ckpt and ckpt.dp_steps, sent[2]) if s is not None]
-    privacy.restore_dp_steps(context, max(steps, default=None))  # every released update, a redone round's again
-    if ckpt is not None:
-        context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
-    if ckpt is not None and ckpt.trained:
-        context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(load_adapter(ckpt.adapter))
-        log.info("client %s: resumed local adapter from its round-%d checkpoint", name, ckpt.round)
+    if LOCAL_STATE_KEY not in context.state:  # the first message (every later one: no checkpoint folder read)
+        ckpt_dir = client_checkpoint_dir(plan, name, context)
+        ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
+        sent = json.loads((ckpt_dir / DP_SENT).read_text()) if (ckpt_dir / DP_SENT).exists() else [rnd, None, None]
+        steps = [s for s in (ckpt and ckpt.dp_steps, sent[2]) if s is not None]
+        privacy.restore_dp_steps(context, max(steps, default=None))  # every released update, a redone round's again
+        if ckpt is not None:
+            context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
+        if ckpt is not None and ckpt.trained:
+            context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(load_adapter(ckpt.adapter))
+            log.info("client %s: resumed local adapter from its round-%d checkpoint", name, ckpt.round)
     return plan, name, rnd
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.common import atomic, cli
 from pipeline.common.config import from_dict
+from pipeline.common.schema import read_json
 from pipeline.experiments.settings import load_run_settings
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
 from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca, tail
@@ -101,10 +102,7 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
     (else of the run submitted last) as ``flwr ls`` on ``superlink`` (a connection of FLWR_HOME/config.toml; None:
     its default) reports it; 0 only if it completed."""
     if submitted is not None:
-        try:
-            started = json.loads(submitted.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise FederationError(f"{submitted}: not the JSON `flwr run --format json` prints ({err})") from None
+        started = read_json(submitted, "the output of `flwr run --format json`")  # a one-line error if not an object
         if not (started.get("success") and started.get("run-id")):  # a refused run config, say
             print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id").split()))
             return 1
@@ -205,9 +203,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
                 raise FederationError(
                     f"registering the key of SuperNode {name} failed: {tail(out.stdout + out.stderr)}"
                 )
-        for name in self.clients:
-            self.start_supernode(name)
-        for proc in self.supernodes.values():
+        for proc in [self.start_supernode(name) for name in self.clients]:  # all started, then each waited for
             self.wait_registered(proc)
 
     def submit(self) -> Process:
