@@ -200,21 +200,23 @@ def test_the_case_study_uses_the_lowest_seed_at_which_fedavg_and_selectkd_both_h
         (lambda k: k.pop("kit"), r"key\.json: 'kit' missing or not a str"),  # a key written before kits had ids
         (lambda k: k.pop("items"), r"key\.json: 'items' missing or not a dict"),
         (lambda k: k.update(items=[]), r"key\.json: 'items' missing or not a dict"),
-        (lambda k: k["items"].update(item0001="A"), r"key\.json: items\['item0001'\]: 'A'; expected the fields"),
+        (lambda k: k["items"].update(item0001="A"), r"key\.json: items\['item0001'\]: expected a mapping of keys"),
         (  # KeyEntry's seven fields less target_side
             lambda k: k["items"]["item0001"].pop("target_side"),
-            r"key\.json: items\['item0001'\]: fields \['domain', 'example_id', 'opponent', 'opponent_experiment', "
-            r"'target', 'target_experiment'\]; expected",
+            r"key\.json: items\['item0001'\]: missing required key\(s\) \['target_side'\]",
         ),
-        (lambda k: k["items"]["item0001"].update(target_side="C"), r"key\.json: items\['item0001'\]: target_side 'C'"),
+        (
+            lambda k: k["items"]["item0001"].update(target_side="C"),
+            r"key\.json: items\['item0001'\]\.target_side='C' is out of range; allowed: one of 'A' or 'B'",
+        ),
         # a judgement of a null domain (or opponent) was dropped from the counts (pandas' crosstab leaves NaN out)
         (
             lambda k: k["items"]["item0001"].update(domain=None),
-            r"key\.json: items\['item0001'\]: domain None; expected text",
+            r"key\.json: items\['item0001'\]\.domain: expected a string, got NoneType None",
         ),
         (
             lambda k: k["items"]["item0001"].update(extra=1),
-            r"key\.json: items\['item0001'\]: fields \['domain', 'example_id', 'extra'",
+            r"key\.json: items\['item0001'\]: unknown key\(s\) \['extra'\]; allowed: \['domain', 'example_id'",
         ),
     ],
 )

@@ -221,17 +221,14 @@ def privacy_points(inp: ReportInputs, scores: pd.DataFrame, paths: ProjectPaths)
     over seeds of spent_epsilon), no privacy at epsilon = inf."""
     rows = []
     for config in [c for c in inp.configurations if c.study == "privacy"]:
-        per_seed, spent = [], []  # the client average of each seed; spent_epsilon of each seed
-        for _, name in config.runs:
-            mine = scores[scores["experiment"] == name]
-            metrics_path = paths.train_metrics(name)
-            if not mine.empty and metrics_path.is_file():
-                per_seed.append(float(mine["avg_rouge"].mean()))
-                spent.append(spent_epsilon(read_json(metrics_path, "train metrics")))
-        if not per_seed:
+        names = [name for _, name in config.runs]
+        # the seeds with scores and a train record: each one's client average and spent_epsilon
+        runs = [n for n in names if (scores["experiment"] == n).any() and paths.train_metrics(n).is_file()]
+        if not runs:
             continue
+        series = pd.Series([float(scores.loc[scores["experiment"] == n, "avg_rouge"].mean()) for n in runs])
+        spent = [spent_epsilon(read_json(paths.train_metrics(n), "train metrics")) for n in runs]
         eps, targets, sigmas, deltas = zip(*spent)
-        series, names = pd.Series(per_seed), [name for _, name in config.runs]
         rows.append(
             {
                 "method": config.method,

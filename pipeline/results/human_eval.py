@@ -12,11 +12,12 @@ import random
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 
 from pipeline.common import atomic
+from pipeline.common.config import ConfigError, config, from_dict
 from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment
 from pipeline.results import published
@@ -42,13 +43,13 @@ class Prediction:  # one generated summary of one test example (a line of report
 Predictions = dict[str, dict[str, Prediction]]  # method -> example id -> its summary
 
 
-@dataclass(frozen=True)
-class KeyEntry:
+@config(frozen=True)
+class KeyEntry:  # an item of key.json; every field text (pandas' crosstab would drop a judgement of a null domain)
     example_id: str
     domain: str
     target: str  # the method being evaluated (SelectKD)
     opponent: str
-    target_side: str  # "A" or "B"
+    target_side: Literal["A", "B"]
     target_experiment: str
     opponent_experiment: str
 
@@ -234,22 +235,15 @@ def _read_key(path: Path) -> tuple[dict[str, Any], dict[str, KeyEntry]]:
     for name, kind in (("target", str), ("kit", str), ("items", dict)):
         if not isinstance(data.get(name), kind):
             raise DataError(f"{path}: {name!r} missing or not a {kind.__name__} (not a report stage's answer key)")
-    names, key = sorted(f.name for f in fields(KeyEntry)), {}
-    for item, entry in data["items"].items():
-        if not isinstance(entry, dict) or sorted(entry) != names:
-            got = f"fields {sorted(entry)}" if isinstance(entry, dict) else repr(entry)
-            raise DataError(f"{path}: items[{item!r}]: {got}; expected the fields {names}")
-        if bad := [n for n in names if not isinstance(entry[n], str)]:  # crosstab would drop a null domain
-            raise DataError(f"{path}: items[{item!r}]: {bad[0]} {entry[bad[0]]!r}; expected text")
-        if entry["target_side"] not in ("A", "B"):
-            raise DataError(f"{path}: items[{item!r}]: target_side {entry['target_side']!r}; expected 'A' or 'B'")
-        key[item] = KeyEntry(**entry)
+    try:  # a hand edit: an entry not an object, a field missing, added or null, a target_side not A or B
+        key = {item: from_dict(KeyEntry, entry, f"{path}: items[{item!r}]") for item, entry in data["items"].items()}
+    except ConfigError as exc:
+        raise DataError(str(exc)) from None
     return data, key
 
 
-def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
+def score_sheets(sheet_dir: Path) -> dict[str, Any]:
     """Win/tie/loss of the key's target against each opponent over every filled ``sheet*.csv`` (blank: not judged)."""
-    sheet_dir = Path(sheet_dir)
     data, key = _read_key(sheet_dir / "key.json")
     files = sorted(sheet_dir.glob("sheet*.csv"))
     if not files:

@@ -207,13 +207,11 @@ def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame
 
 
 def json_safe(obj: Any) -> Any:
-    """JSON-safe: NaN -> None, numpy scalars -> Python."""
+    """JSON-safe: NaN -> None, floats rounded to 6 places (counts are ints already: int(), len(), pandas' boxing)."""
     if isinstance(obj, dict):
         return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
     if isinstance(obj, (float, np.floating)):
         return None if math.isnan(float(obj)) else round(float(obj), 6)
     return obj

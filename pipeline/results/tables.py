@@ -99,9 +99,8 @@ def aggregate(scores: pd.DataFrame, inp: ReportInputs) -> pd.DataFrame:
         rec = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in zip(keys, key)}
         seeds = sorted(int(s) for s in grp["seed"])
         missing = (expected | planned_seeds.get((rec["study"], rec["label"]), set())) - set(seeds)
-        rec |= {f"{m}_mean": float(grp[m].mean()) for m in METRICS}
-        # the sample std: NaN for one seed (its spread is unknown, not 0)
-        rec |= {f"{m}_std": float(grp[m].std(ddof=1)) for m in METRICS}
+        # the mean and the sample std (ddof 1: NaN for one seed, whose spread is unknown, not 0)
+        rec |= {f"{m}_{x}": float(grp[m].agg(x)) for m in METRICS for x in ("mean", "std")}
         rec |= {"n_seeds": len(seeds), "seeds": ",".join(map(str, seeds))}
         out_rows.append(rec | {"missing_seeds": ",".join(map(str, sorted(missing)))})
     return pd.DataFrame(out_rows, columns=columns)
