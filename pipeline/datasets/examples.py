@@ -58,10 +58,10 @@ SHINGLE_WORDS = 5
 _WORD = re.compile(r"[a-z0-9]+")
 
 
-def shingles(contents: Iterable[str], n: int = SHINGLE_WORDS) -> set[str]:
-    """Lower-cased alphanumeric word n-grams of a transcript (speaker names left out: they differ)."""
+def shingles(contents: Iterable[str]) -> set[str]:
+    """Lower-cased alphanumeric word SHINGLE_WORDS-grams of a transcript (speaker names left out: they differ)."""
     words = _WORD.findall(" ".join(contents).lower())
-    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+    return {" ".join(words[i : i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)}
 
 
 def link_meetings(

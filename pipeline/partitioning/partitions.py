@@ -45,8 +45,7 @@ def check_partition(part: Partition, examples: pd.DataFrame) -> None:
             if wrong := [i for i in client[split] if split_of[i] != split]:
                 raise DataError(f"client {name}: {wrong[0]} is a {split_of[wrong[0]]} example in its {split} set")
     accounted = set(assigned) | set(part.excluded)
-    domain_of = dict(zip(examples.example_id, examples.domain))
-    touched = examples.domain.isin({domain_of[i] for i in accounted})
+    touched = examples.domain.isin(examples.domain[examples.example_id.isin(accounted)])
     if missing := set(examples.example_id[touched]) - accounted:
         raise DataError(
             f"{len(missing)} example(s) of the partitioned domains are neither assigned nor excluded, "
@@ -75,8 +74,7 @@ def js_matrix(dists: list[np.ndarray]) -> list[list[float | None]]:
 
 def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: int) -> dict[str, Any]:
     domain_of = dict(zip(examples.example_id, examples.domain))
-    label_kind = "cluster" if scheme == "cluster" else "domain"
-    label_of = part.labels if label_kind == "cluster" else domain_of
+    label_of = part.labels  # every scheme labels its examples: the domain, or the cluster of scheme cluster
     labels = sorted({label_of[i] for i in part.assigned()})
     clients: dict[str, Any] = {}
     for name, c in part.clients.items():
@@ -92,7 +90,7 @@ def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: 
     return {
         "scheme": scheme,
         "seed": seed,
-        "label": label_kind,
+        "label": "cluster" if scheme == "cluster" else "domain",
         "labels": labels,
         "clients": clients,
         "js_divergence": {
@@ -113,10 +111,9 @@ def plot_stats(stats: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt  # lazy, as above; after use("Agg")
 
     names = list(stats["clients"])
-    labels = stats["labels"]
     fig, (ax_bar, ax_js) = plt.subplots(1, 2, figsize=(11, 4.2))
     bottom = np.zeros(len(names))
-    for lab in labels:
+    for lab in stats["labels"]:
         counts = np.array([stats["clients"][n]["train_label_counts"][lab] for n in names], dtype=float)
         ax_bar.bar(names, counts, bottom=bottom, label=lab)
         bottom += counts

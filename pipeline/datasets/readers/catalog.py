@@ -17,11 +17,9 @@ def dataset_names() -> list[str]:
     return sorted(DATASETS, key=lambda name: rank.get(DATASETS[name].read.__module__, len(rank)))
 
 
-# A reader module imported later (a dataset tried out before it joins the imports above) registers into DATASETS
-# too: every lookup reads it at call time.
-
-
 def dataset_spec(dataset: str) -> DatasetSpec:
+    """``dataset``'s registration, looked up at call time: a reader module imported later (a dataset tried out before
+    it joins the imports above) registers into DATASETS too."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; allowed: {sorted(DATASETS)}")
     return DATASETS[dataset]

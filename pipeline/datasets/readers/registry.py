@@ -9,19 +9,16 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, IngestReport
 
-Reader = Callable[[Path, IngestReport, list[str]], Iterator[CanonicalRecord]]
-# download(base_url, target_dir, fetch(url) -> bytes, write(path, bytes)): an upstream copy that is not the files
-# one by one (e.g. one zip); None: each expected file is fetched from ``base_url/<upstream_path(file)>``.
-Download = Callable[[str, Path, Callable[[str], bytes], Callable[[Path, bytes], None]], None]
-
 
 @dataclass(frozen=True)
 class DatasetSpec:
     name: str
-    read: Reader
+    read: Callable[[Path, IngestReport, list[str]], Iterator[CanonicalRecord]]  # (directory, report, allow_absent)
     # the expected files, relative to <root>/<dataset>/, in the upstream layout -> "<dataset>/<domain>/<split>"
     files: Callable[[], dict[str, str]]
-    download: Download | None = None
+    # download(base_url, target_dir, fetch(url) -> bytes, write(path, bytes)): an upstream copy that is not the files
+    # one by one (e.g. one zip); None: each expected file is fetched from ``base_url/<upstream_path(file)>``.
+    download: Callable[[str, Path, Callable[[str], bytes], Callable[[Path, bytes], None]], None] | None = None
     upstream_path: Callable[[str], str] = lambda rel: rel  # expected file -> its path under the download address
     # the pinned upstream address (params ingest.urls.<name> defaults to it): the base URL of the files, or the archive
     url: str = ""

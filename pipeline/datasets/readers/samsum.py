@@ -16,9 +16,6 @@ from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, split_js
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
 
 
-_TURN_SEP = re.compile(r"\r\n|\n")
-
-
 def samsum_files() -> dict[str, str]:
     return {name: f"samsum/SAMSum/{SPLIT_ALIASES[name.removesuffix('.json')]}" for name in SAMSUM_FILES}
 
@@ -34,7 +31,7 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
     (``"Phil:<file_photo>"``): those split at the first ``":"``. A line with no colon at all continues the previous
     turn. Both repairs are counted in the report."""
     turns: list[Turn] = []
-    for line in _TURN_SEP.split(dialogue):
+    for line in re.split(r"\r\n|\n", dialogue):
         if not line.strip():
             report.note("blank dialogue lines (dropped)")
             continue
