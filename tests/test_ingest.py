@@ -489,6 +489,9 @@ def test_a_samsum_zip_without_a_split_is_named(tmp_path, monkeypatch):
     with pytest.raises(DataError) as err:
         sources.download("samsum", IngestConfig(urls={"samsum": "https://x/samsum.zip"}), tmp_path / "samsum")
     names(err.value, "https://x/samsum.zip", "samsum/test.json")
+    allowed = IngestConfig(urls={"samsum": "https://x/samsum.zip"}, allow_absent_splits=["samsum/SAMSum/test"])
+    sources.download("samsum", allowed, tmp_path / "samsum")  # the split allowed absent may be missing upstream too
+    assert sorted(p.name for p in (tmp_path / "samsum").iterdir()) == ["train.json", "validation.json"]
     monkeypatch.setattr(sources, "_fetch", lambda url: b"not a zip")
     with pytest.raises(DataError, match=r"https://x/samsum\.zip.*File is not a zip file"):
         sources.download("samsum", IngestConfig(urls={"samsum": "https://x/samsum.zip"}), tmp_path / "samsum")

@@ -88,7 +88,7 @@ def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
     spec = dataset_spec(dataset)
     try:
         if spec.download is not None:  # an upstream copy that is not the files one by one (SAMSum's zip)
-            spec.download(base, target, _fetch, atomic.write_bytes)
+            spec.download(base, target, _fetch, atomic.write_bytes, cfg.allow_absent_splits)
             return
         for rel, split_key in tqdm(spec.files().items(), desc=f"download {dataset}", unit="file"):
             if (target / rel).is_file():  # resume an interrupted download

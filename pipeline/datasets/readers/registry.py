@@ -16,9 +16,12 @@ class DatasetSpec:
     read: Callable[[Path, IngestReport, list[str]], Iterator[CanonicalRecord]]  # (directory, report, allow_absent)
     # the expected files, relative to <root>/<dataset>/, in the upstream layout -> "<dataset>/<domain>/<split>"
     files: Callable[[], dict[str, str]]
-    # download(base_url, target_dir, fetch(url) -> bytes, write(path, bytes)): an upstream copy that is not the files
-    # one by one (e.g. one zip); None: each expected file is fetched from ``base_url/<upstream_path(file)>``.
-    download: Callable[[str, Path, Callable[[str], bytes], Callable[[Path, bytes], None]], None] | None = None
+    # download(base_url, target_dir, fetch(url) -> bytes, write(path, bytes), allow_absent (the split keys that may be
+    # missing)): an upstream copy that is not the files one by one (e.g. one zip); None: each expected file is fetched
+    # from ``base_url/<upstream_path(file)>``.
+    download: Callable[[str, Path, Callable[[str], bytes], Callable[[Path, bytes], None], list[str]], None] | None = (
+        None
+    )
     upstream_path: Callable[[str], str] = lambda rel: rel  # expected file -> its path under the download address
     # the pinned upstream address (params ingest.urls.<name> defaults to it): the base URL of the files, or the archive
     url: str = ""

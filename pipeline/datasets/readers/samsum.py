@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.common.schema import SPLIT_ALIASES, CanonicalRecord, DataError, IngestReport, Skipped, Turn
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, absent_allowed, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
 
@@ -61,14 +61,16 @@ def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] =
         yield CanonicalRecord(**origin, meeting_id=rec.id, turns=turns, summary=rec.summary)
 
 
-def _download(base: str, target: Path, fetch, write) -> None:
-    """One zip upstream; its members samsum/{train,validation,test}.json are stored without the prefix."""
+def _download(base: str, target: Path, fetch, write, allow_absent: list[str]) -> None:
+    """One zip upstream; its members samsum/{train,validation,test}.json are stored without the prefix. A member
+    may be missing where ``ingest.allow_absent_splits`` lets its split be absent."""
     with zipfile.ZipFile(io.BytesIO(fetch(base))) as zf:
-        for name in SAMSUM_FILES:
+        for name, split_key in samsum_files().items():
             member = f"samsum/{name}"
-            if member not in zf.namelist():
+            if member in zf.namelist():
+                write(target / name, zf.read(member))
+            elif not absent_allowed(split_key, allow_absent):
                 raise DataError(f"{base}: zip has no member {member!r}")
-            write(target / name, zf.read(member))
 
 
 SAMSUM_MIRROR = "https://raw.githubusercontent.com/Prathamesh1199/My_Dataset/c956de19db32c7cf9e60259d88cbab0d27e82ee6"
