@@ -22,10 +22,11 @@ from pipeline.modeling.adapters import adapter_file, load_adapter
 from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
-from pipeline.results.readers import read_json, run_converged
+from pipeline.results.readers import run_converged
 from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_METRICS, client_scores
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, mean_interval, meetings
 from pipeline.results.tracking import split_dataset
+from pipeline.training.client_data import read_partition
 
 
 @dataclass
@@ -47,9 +48,7 @@ def _prepare(name: str, examples: pd.DataFrame, cfg: EvaluateConfig, models_dir:
         raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
     plan = read_plan(exp_path)  # the plan the adapters were trained with
     part_path = PATHS.partition(plan.partition)
-    clients = read_json(part_path, "partition").get("clients")
-    if not isinstance(clients, dict) or not clients:
-        raise DataError(f"{part_path}: no 'clients' mapping")
+    clients = read_partition(part_path)["clients"]  # the partition's reader, as training and a deployed client's
     skipped_clients: dict[str, str] = {}
     chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}
     for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
