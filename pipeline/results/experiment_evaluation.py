@@ -93,9 +93,8 @@ def evaluate_experiments(
                 test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), exp.part_path)
             rows = sub.reset_index(drop=True).assign(experiment=name, client=client, prediction=predictions)
             frames.append(rows.join(pd.DataFrame(scores)))  # in order: the ids are sub's column example_id
-            summary = per_client[client]
-            means = " ".join(f"{k}={summary[k]:.2f}" for k in SCORE_KEYS)
-            print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} {means}", file=sys.stderr)
+            means = " ".join(f"{k}={per_client[client][k]:.2f}" for k in SCORE_KEYS)
+            print(f"[evaluate] {name} {client}: n={len(sub)}/{len(test_ids)} {means}", file=sys.stderr)
 
         done = pd.concat(frames, ignore_index=True).rename(columns={"target": "reference"})
         per_example = done.assign(
