@@ -62,7 +62,12 @@ def workspace(tmp_path_factory):
         "params": {},
         "excluded": {"count": 0, "by_reason": {}, "example_ids": []},
         "clients": {
-            c: {"train": [], "valid": [], "test": [r["example_id"] for r in rows if r["domain"] == c]} for c in CLIENTS
+            c: {
+                "train": [f"qmsum/{c}/train/m0/q0"],
+                "valid": [],
+                "test": [r["example_id"] for r in rows if r["domain"] == c],
+            }
+            for c in CLIENTS
         },
     }
     paths.partition("domain/seed0").parent.mkdir(parents=True)

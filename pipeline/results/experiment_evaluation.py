@@ -22,10 +22,11 @@ from pipeline.modeling.adapters import adapter_file, load_adapter
 from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
-from pipeline.results.readers import read_json, run_converged
+from pipeline.results.readers import run_converged
 from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_METRICS, client_scores
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, mean_interval, meetings
 from pipeline.results.tracking import split_dataset
+from pipeline.training.client_data import read_partition
 
 
 @dataclass
@@ -47,9 +48,7 @@ def _prepare(name: str, examples: pd.DataFrame, cfg: EvaluateConfig, models_dir:
         raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
     plan = read_plan(exp_path)  # the plan the adapters were trained with
     part_path = PATHS.partition(plan.partition)
-    clients = read_json(part_path, "partition").get("clients")
-    if not isinstance(clients, dict) or not clients:
-        raise DataError(f"{part_path}: no 'clients' mapping")
+    clients = read_partition(part_path)["clients"]  # the partition's reader, as training and a deployed client's
     skipped_clients: dict[str, str] = {}
     chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}
     for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
@@ -94,9 +93,8 @@ def evaluate_experiments(
                 test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), exp.part_path)
             rows = sub.reset_index(drop=True).assign(experiment=name, client=client, prediction=predictions)
             frames.append(rows.join(pd.DataFrame(scores)))  # in order: the ids are sub's column example_id
-            summary = per_client[client]
-            means = " ".join(f"{k}={summary[k]:.2f}" for k in SCORE_KEYS)
-            print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} {means}", file=sys.stderr)
+            means = " ".join(f"{k}={per_client[client][k]:.2f}" for k in SCORE_KEYS)
+            print(f"[evaluate] {name} {client}: n={len(sub)}/{len(test_ids)} {means}", file=sys.stderr)
 
         done = pd.concat(frames, ignore_index=True).rename(columns={"target": "reference"})
         per_example = done.assign(

@@ -109,32 +109,21 @@ CONVERGENCE_COLUMNS = ["experiment", "client", "best_round", "last_round", "best
 MARK = "↗"  # the tables' mark of a row with a client-run still improving at its last round
 
 
-def best_and_last_rounds(path: Path, kept: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """{client: (its best round, its last round with a val_loss)} from rounds.json. The best round is the one the
-    client kept (its adapter_best, which is evaluated), ``kept[client]``: the train record's ``best_round``, which a
-    lost evaluation reply leaves out of rounds.json's losses; a client without it (a record of rounds alone) has the
-    round of its lowest val_loss, the earliest on a tie."""
-    rounds = read_rounds(path)
-    if "val_loss" not in rounds:
-        return {}
-    known = rounds.dropna(subset=["val_loss"]).sort_values(["val_loss", "round"])
-    return {
-        str(c): (int(kept.get(str(c)) or g["round"].iloc[0]), int(g["round"].max()))
-        for c, g in known.groupby("client", sort=True)
-    }
-
-
 def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
-    """Per client of ``experiment``: best and last round, whether they are the same, the run's stated verdict."""
+    """Per client of ``experiment``: best and last round, whether they are the same, the run's stated verdict. The
+    best round is the one the client kept (its adapter_best, which is evaluated): the train record's ``best_round``,
+    which a lost evaluation reply leaves out of rounds.json's losses; a client without it (a record of rounds alone)
+    has the round of its lowest val_loss, the earliest on a tie; the last round: its last with a val_loss."""
     metrics_path, rounds_path = (train_dir / experiment / f for f in ("metrics.json", "rounds.json"))
     metrics = read_json(metrics_path, "train metrics") if metrics_path.is_file() else {}
     clients = metrics.get("clients") or {}
     kept = {str(c): v["best_round"] for c, v in clients.items() if isinstance(v, dict) and v.get("best_round")}
-    found = (
-        best_and_last_rounds(rounds_path, kept)
-        if rounds_path.is_file()
-        else {c: (int(b), int(metrics.get("stopped_round") or metrics.get("rounds") or b)) for c, b in kept.items()}
-    )
+    if rounds_path.is_file():  # a client's rows with a val_loss, lowest first (a record without val_loss: none)
+        rounds = read_rounds(rounds_path).reindex(columns=["round", "client", "val_loss"]).dropna(subset=["val_loss"])
+        known = rounds.sort_values(["val_loss", "round"]).groupby("client", sort=True)
+        found = {str(c): (int(kept.get(str(c)) or g["round"].iloc[0]), int(g["round"].max())) for c, g in known}
+    else:
+        found = {c: (int(b), int(metrics.get("stopped_round") or metrics.get("rounds") or b)) for c, b in kept.items()}
     stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
     rows = [(experiment, c, best, last, best == last, stated) for c, (best, last) in sorted(found.items())]
     return pd.DataFrame(rows, columns=CONVERGENCE_COLUMNS)
