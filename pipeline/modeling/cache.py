@@ -82,7 +82,7 @@ class PrefixCache:
         src_len = batch.attention_mask.sum(dim=1).tolist()
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
         paths: list[Path] = []
-        entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        entries: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # None: a miss, computed below
         now = time.time()
         for i, eid in enumerate(batch.example_ids):
             src_ids, dec_ids = batch.input_ids[i, : src_len[i]], batch.decoder_input_ids[i, : tgt_len[i]]
@@ -94,11 +94,11 @@ class PrefixCache:
             paths.append(path)
             if (entry := self.resident.get(path)) is None and (loaded := self._load(path)) is not None:
                 entry = self.resident[path] = tuple(t.to(model.device) for t in loaded)
+            entries.append(entry)
             if entry is not None:
-                entries[i] = entry
                 self.stats["hits"] += 1
                 self._used[path] = now
-        if missing := [i for i in range(len(paths)) if i not in entries]:
+        if missing := [i for i, entry in enumerate(entries) if entry is None]:
             self.stats["misses"] += len(missing)
             computed = model.compute_prefix(batch.select(missing))
             for j, i in enumerate(missing):
@@ -109,13 +109,11 @@ class PrefixCache:
                     self.resident[paths[i]] = entries[i] = (enc.to(model.device), dec.to(model.device))
 
         # right-padded with zeros to the batch's widths (one call per tensor: no Python loop of copies)
-        enc_h, dec_h = (
-            pad_sequence([entries[i][k].to(model.device, torch.float32) for i in range(len(paths))], batch_first=True)
-            for k in (0, 1)
-        )
-        enc_h = torch.nn.functional.pad(enc_h, (0, 0, 0, batch.input_ids.shape[1] - enc_h.shape[1]))
-        dec_h = torch.nn.functional.pad(dec_h, (0, 0, 0, batch.labels.shape[1] - dec_h.shape[1]))
-        return Prefix(enc_h, batch.attention_mask, dec_h, batch.labels != IGNORE_INDEX).to(model.device)
+        hidden = []
+        for k, width in enumerate((batch.input_ids.shape[1], batch.labels.shape[1])):
+            h = pad_sequence([entry[k].to(model.device, torch.float32) for entry in entries], batch_first=True)
+            hidden.append(torch.nn.functional.pad(h, (0, 0, 0, width - h.shape[1])))
+        return Prefix.of(batch, *hidden)
 
     def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The entry's tensors (None: not there, or damaged: then logged, deleted and recomputed by the caller)."""

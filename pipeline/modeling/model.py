@@ -44,9 +44,11 @@ class Prefix:
     decoder_hidden: torch.Tensor  # [B, T, n] hidden state entering decoder layer L-k (valid up to target length)
     target_mask: torch.Tensor  # [B, T] bool, True on real target tokens (labels != -100): the LM head runs only there
 
-    def to(self, device) -> Prefix:
-        to_gpu = torch.device(device).type == "cuda"  # host to GPU: an asynchronous copy (no sync)
-        return Prefix(**{name: tensor.to(device, non_blocking=to_gpu) for name, tensor in vars(self).items()})
+    @classmethod
+    def of(cls, batch: Batch, encoder_hidden: torch.Tensor, decoder_hidden: torch.Tensor) -> Prefix:
+        """``batch``'s prefix from its hidden states, its masks on their device (to a GPU: an asynchronous copy)."""
+        to = functools.partial(torch.Tensor.to, device=decoder_hidden.device, non_blocking=decoder_hidden.is_cuda)
+        return cls(encoder_hidden, to(batch.attention_mask), decoder_hidden, to(batch.labels != IGNORE_INDEX))
 
     def repeat(self, runs: int) -> Prefix:
         """``runs`` copies, run-major (the rows an AdapterStack of ``runs`` runs reads)."""
@@ -228,12 +230,7 @@ class AdapterSummarizer(nn.Module):
             self.forward_path(batch, None)
         if "hidden_states" not in captured:
             raise RuntimeError("the backbone forward never reached the first adapted decoder layer")
-        return Prefix(
-            captured["encoder_hidden_states"],
-            batch.attention_mask.to(self.device),
-            captured["hidden_states"],
-            (batch.labels != IGNORE_INDEX).to(self.device),
-        )
+        return Prefix.of(batch, captured["encoder_hidden_states"], captured["hidden_states"])
 
     def top_masks(self, prefix: Prefix, source_mask: torch.Tensor | None = None):
         """The top layers' masks, from the builders the HF decoders call. A builder given a padding mask tests it in a
@@ -276,8 +273,7 @@ class AdapterSummarizer(nn.Module):
         with self.use_path(path):
             for layer in self._top_layers:
                 h = layer(h, self_mask, prefix.encoder_hidden, encoder_attention_mask=cross_mask)
-                if isinstance(h, tuple):
-                    h = h[0]
+                h = h[0] if isinstance(h, tuple) else h
         if rows is not None:
             return self._head(h.reshape(-1, h.shape[-1]).index_select(0, rows))
         mask = prefix.target_mask.to(h.device, torch.bool)
@@ -293,7 +289,7 @@ class AdapterSummarizer(nn.Module):
         """Both paths' logits from one prefix: (local, with gradients; global, the teacher, under no_grad; None
         without ``teacher``), each [B, T, V] (0 on padding), or with ``packed`` the [N, V] rows of the real target
         tokens (row-major)."""
-        prefix = (prefix if prefix is not None else self.compute_prefix(batch)).to(self.device)
+        prefix = prefix if prefix is not None else self.compute_prefix(batch)
         masks = self.top_masks(prefix, batch.attention_mask)
         logits_local = self.path_logits(prefix, "local", masks, packed)
         with torch.no_grad():
