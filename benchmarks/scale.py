@@ -224,7 +224,6 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
 
     from pipeline.experiments.settings import RunSettings
     from pipeline.federation.engines import run_federated
-    from pipeline.training.history import Recorder
 
     torch.set_num_threads(cfg.threads)
     root = Path(root)
@@ -233,7 +232,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     hwm_resettable = _reset_hwm()
     rounds: list[dict[str, Any]] = []
 
-    class Timer(Recorder):
+    class Timer:  # the rounds recorder run_federated calls
         def started(self, plan, clients, start_round):
             self.n_clients = len(clients)
             _reset_hwm()

@@ -171,10 +171,11 @@ def _run_federation(path: str):
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
     from pipeline.training.client_data import client_names
+    from tests.test_server_loop import Recorder
 
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": path} for n in client_names(load_plan(path))])
     _set_server_identity(grid.run.run_id)
-    _, history = run_server(grid, path, cache=RunSettings().cache, ckpt=None)
+    _, history = run_server(grid, path, Recorder(), cache=RunSettings().cache, ckpt=None)
     return grid, history
 
 
@@ -253,7 +254,7 @@ def test_a_node_restarted_with_its_node_id_serving_another_plan_trains_and_evalu
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.server_app import run_server
-    from pipeline.training.history import Recorder
+    from tests.test_server_loop import Recorder
 
     path_a, path_b = write_plan("auth-plan-a", "fedavg", rounds=2), write_plan("auth-plan-b", "fedavg", rounds=2)
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": path_a} for n in ("Academic", "Committee", "Product")])
@@ -282,7 +283,7 @@ def test_a_node_restarted_with_its_node_id_as_another_client_trains_and_evaluate
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.server_app import run_server
-    from pipeline.training.history import Recorder
+    from tests.test_server_loop import Recorder
 
     path = write_plan("auth-renamed", "fedavg", rounds=2)
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": path} for n in ("Academic", "Committee", "Product")])

@@ -595,6 +595,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     from pipeline.federation import engines
     from pipeline.federation.protocol import CLIPPED_KEY
     from pipeline.training.summary import summarize
+    from tests.test_server_loop import Recorder
 
     unclipped = ClientApp()
 
@@ -611,7 +612,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
         {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"},
     )
     monkeypatch.setattr(engines, "client_app", unclipped)
-    history = engines.run_federated(path, RunSettings())
+    history = engines.run_federated(path, RunSettings(), Recorder())
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
     assert not any("update_clipped" in r for r in history)
     privacy = summarize(read_plan(path), history, [])["privacy"]

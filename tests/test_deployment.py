@@ -732,8 +732,9 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
     grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
     _set_server_identity(grid.run.run_id)
     from pipeline.experiments.settings import RunSettings
+    from tests.test_server_loop import Recorder
 
-    _, history = run_server(grid, plan, cache=RunSettings().cache, ckpt=None)
+    _, history = run_server(grid, plan, Recorder(), cache=RunSettings().cache, ckpt=None)
     rows = {(r["round"], r["client"]): r for r in history}
     assert sorted(rows) == [(r, c) for r in (1, 2, 3) for c in ("Academic", "Committee", "Product")]
     gone = rows[(2, "Committee")]

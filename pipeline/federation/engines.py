@@ -19,7 +19,7 @@ from pipeline.federation.client_app import client_app, errors_stay_on_the_client
 from pipeline.federation.protocol import load_plan
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.training.client_data import client_names
-from pipeline.training.history import Recorder
+from pipeline.training.history import TrainRecorder
 from pipeline.training.set_engine import park
 
 
@@ -82,7 +82,7 @@ def _set_server_identity(run_id: int) -> None:
     TaskIdentity.node_id = SUPERLINK_NODE_ID
 
 
-def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> list[dict[str, Any]]:
+def run_federated(plan_path: str, settings: RunSettings, recorder: TrainRecorder) -> list[dict[str, Any]]:
     """Run the experiment's ServerApp and ClientApps in this process (in a set, its clients at the set's round
     barrier: set_engine.park); returns the history (the global adapter is in the server checkpoint)."""
     plan = load_plan(plan_path)

@@ -39,7 +39,7 @@ from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
-from pipeline.training.history import Recorder, history_row, training_rounds
+from pipeline.training.history import TrainRecorder, history_row, training_rounds
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 from pipeline.training.set_engine import rng_state, set_rng_state
@@ -80,7 +80,7 @@ class _Round:
 def run_server(
     grid: Grid,
     plan_path: str,
-    recorder: Recorder | None = None,
+    recorder: TrainRecorder,
     round_timeout_s: float = RunSettings.round_timeout_s,
     admission_timeout_s: float | None = None,
     cache: CacheConfig | None = None,
@@ -92,7 +92,6 @@ def run_server(
     message (the engines'; a deployed client has its own: protocol.client_cache_config); ``ckpt``: the caller's
     load_server_checkpoint, which the run resumes from (None: it starts over, each client told so at admission)."""
     plan = load_plan(plan_path)
-    recorder = recorder or Recorder()
     spec, t = plan.spec, plan.train
     if not spec.federated:
         raise ValueError(f"method {spec.name!r} is not federated")

@@ -1,5 +1,5 @@
 """The rounds history of a training run: ``rounds.json`` and the DVC plot file, the per-round MLflow metrics (and
-their back-fill after a kill), and the recorders of each finished round (:class:`Recorder` only logs)."""
+their back-fill after a kill), and the recorder of each finished round."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from pipeline.experiments.plans import Plan
 from pipeline.training.stopping import by_round, round_mean, should_stop
 
 log = logging.getLogger("fedmeet.train")
-_federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
 ROUND_METRIC = "bytes_sent"  # logged in every round of every run (0 without a server): the rounds a run holds
 
 ROUND_FIELDS = (
@@ -119,19 +118,6 @@ def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     atomic.write_json(Path(plan.paths["out_dir"]) / "rounds.json", history, indent=1)
     wide = [{"round": rnd} | round_values(rows, "/") for rnd, rows in sorted(by_round(history).items())]
     atomic.write_json(Path(plan.paths["reports_dir"]) / "rounds.json", wide, indent=1)
-
-
-class Recorder:
-    """Receives each finished round (rounds.json, MLflow...). The base class only logs."""
-
-    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
-        _federated_log.info(
-            "%s: %d clients %s, rounds %d..%d", plan.experiment, len(clients), clients, start_round, plan.train.rounds
-        )
-
-    def round_done(self, plan: Plan, entry: RoundLog, history: list[dict[str, Any]]) -> None:
-        losses = ", ".join(f"{r['client']} {r.get('val_loss', float('nan')):.4f}" for r in entry.rows)
-        _federated_log.info("%s round %d (%.1fs): val loss %s", plan.experiment, entry.round, entry.seconds, losses)
 
 
 class TrainRecorder:
