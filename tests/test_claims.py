@@ -18,6 +18,7 @@ import yaml
 from pipeline.experiments.entries import Experiment, with_labels
 from pipeline.results import claims, comparisons, readers
 from pipeline.results.stats import BootstrapConfig
+from pipeline.results.tables import ReportConfig
 from tests.test_comparisons import _write_eval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,14 +412,14 @@ def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_gives_numbers_only
         _row(method_a="centralized", method_b="fedavg", mean_diff=2.3, ci_low=0.2, ci_high=4.4, p_value=0.01),
     ]
     table = pd.DataFrame(rows).assign(significant=True, n_seeds=[3, 2])
-    text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=3))
+    text = claims.results_text(table, cfg=ReportConfig(smoke=False, claim_min_seeds=3))
     line = next(x for x in text.splitlines() if "Pooling the data" in x)
     assert line.startswith("- **Pooling the data helps against some methods**")  # not "helps": FedAvg has 2 seeds
     assert "AdaCentralized − FedAvg +2.30 [+0.20, +4.40], 2 seeds: numbers only (paper" in line
     assert "The lead holds against AdaSingle (Holm p = 0.001) only." in text
     assert "Per client its lead holds vs AdaSingle on no client; vs FedAvg not tested (2 seeds)." in text
     # at 2 seeds a claim is allowed: both leads hold
-    text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=2))
+    text = claims.results_text(table, cfg=ReportConfig(smoke=False, claim_min_seeds=2))
     assert "- **Pooling the data helps** (Holm p ≤ 0.010 each)" in text and "numbers only" not in text
 
 
@@ -443,12 +444,12 @@ def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_excludes_nothing_a
         _tau3_row(mean_diff=0.5, ci_low=0.2, ci_high=0.8, p_value=0.01, significant=True),
     ]
     table = pd.DataFrame([*few, _row(method_a="fedkd", method_b="single")]).assign(n_seeds=[2, 2, 2, 3])
-    allowed = claims.results_text(table, scale=claims.ClaimScale(min_seeds=2))
+    allowed = claims.results_text(table, cfg=ReportConfig(smoke=False, claim_min_seeds=2))
     assert (
         "The paper's gains of FedAvg over AdaSingle" in allowed
         and "below every one of our unadjusted lower limits" in allowed
     )
-    text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=3))
+    text = claims.results_text(table, cfg=ReportConfig(smoke=False, claim_min_seeds=3))
     for claim in ("excluded here", "below every one of our", "no difference detected", "ROUGE (Holm"):
         assert claim not in text
     gate = next(line for line in text.splitlines() if "(tau=3)" in line)
@@ -457,8 +458,9 @@ def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_excludes_nothing_a
 
 def test_the_step_ratio_of_adacentralized_is_stated_per_client():
     table = pd.DataFrame([_row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)])
-    scale = claims.ClaimScale(centralized_steps="epoch", step_ratios=(("Academic", 69 / 14), ("Product", 69 / 38)))
-    assert "4.9x Academic's, 1.8x Product's optimizer steps a round" in claims.results_text(table, scale=scale)
+    ratios = (("Academic", 69 / 14), ("Product", 69 / 38))
+    text = claims.results_text(table, centralized_steps="epoch", step_ratios=ratios)
+    assert "4.9x Academic's, 1.8x Product's optimizer steps a round" in text
     assert claims.LARGEST_CLIENT_STEPS in claims.results_text(table)
 
 
@@ -685,7 +687,7 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
 )
 def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
     text = claims.results_text(
-        _scaled(VERDICT_ROWS, seeds, examples), scale=claims.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100)
+        _scaled(VERDICT_ROWS, seeds, examples), cfg=ReportConfig(smoke=smoke, claim_min_seeds=2, claim_min_examples=100)
     )
     assert "No comparative claim" in text and why in text
     assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
@@ -713,7 +715,6 @@ def test_the_backbone_caveat_comes_from_the_records():
 def test_the_default_profile_states_numbers_and_draws_no_claim():
     """params.yaml (the CPU smoke profile) sets report.smoke, and its committed results.md holds numbers only."""
     from pipeline.common.config import from_dict, load_params
-    from pipeline.report import ReportConfig
 
     params = load_params(ROOT / "params.yaml")
     assert from_dict(ReportConfig, params.get("report"), "report").smoke

@@ -368,7 +368,7 @@ def test_seeds_that_redraw_the_test_sets_count_each_test_example_once_for_the_cl
             for i in pd.read_parquet(tmp_path / f"a{s}" / "per_example.parquet").query("client == 'X'")["example_id"]
         }
     )
-    text = claims.results_text(table, scale=claims.ClaimScale(min_examples=100))
+    text = claims.results_text(table, cfg=ReportConfig(smoke=False, claim_min_examples=100))
     assert "No comparative claim" in text and "40 test examples" in text and "helps" not in text
 
 

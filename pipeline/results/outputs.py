@@ -94,12 +94,9 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
     evaluated = [p for p in inp.planned if (root / "eval" / p.name / "metrics.json").is_file()]
     converged = convergence_table(evaluated, inp.labels, root / "train")
     # How AdaCentralized's steps were budgeted (its plan's `train.centralized_steps`)
-    cfg, pooled = inp.cfg, [inp.train[e.name] for e in inp.planned if e.study == "main" and e.method == "centralized"]
+    pooled = [inp.train[e.name] for e in inp.planned if e.study == "main" and e.method == "centralized"]
     ratios = centralized_step_ratios(inp.planned, root / "train", inp.train)
     steps = pooled[0]["centralized_steps"] if pooled else "largest_client"
-    scale = claims.ClaimScale(
-        cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps, ratios, inp.bootstrap.level
-    )
     # A KD record written before kd_analysis.json held tau_unit: the unit of the entropy_log_base its runs are declared
     # with in the study's params, when all of them are, as one absolute entropy gate at its tau (else none is given).
     if (kd := records[1]) and kd.get("tau") is not None and "tau_unit" not in kd:
@@ -108,7 +105,8 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
         every = len(ran) == sum(e.name in ran for e in inp.planned)
         if every and len(gates) == 1 and (gate := gates.pop())[:3] == (kd["tau"], "absolute", "entropy"):
             kd["tau_unit"] = gate[3]
-    return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
+    note = claims.backbone_note(*records)
+    return claims.results_text(compared, converged, inp.cfg, inp.bootstrap.level, steps, ratios, str(source), note)
 
 
 def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
