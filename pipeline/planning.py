@@ -23,7 +23,7 @@ from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, check_run
 from pipeline.experiments.train_config import TRAIN_KEYS, TrainConfig, train_config
 from pipeline.federation.strategies.catalog import BUILDERS
 from pipeline.modeling.cache import DTYPES
-from pipeline.modeling.gates.catalog import GATES, MODE_GATES
+from pipeline.modeling.gates.catalog import GATES, gate_of
 from pipeline.modeling.losses import KDConfig
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
@@ -115,8 +115,7 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
 
 def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
     """md5 of the source of the strategy module and the KD gate module ``method`` runs, by module name."""
-    used = [BUILDERS[method.strategy]] if method.strategy is not None else []
-    used += [GATES[MODE_GATES.get(method.kd_mode, kd_gate)]] if method.kd_mode != "ce" else []
+    used = [f for f in (BUILDERS.get(method.strategy), gate_of(method.kd_mode, kd_gate)) if f is not None]
     return {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
 
 

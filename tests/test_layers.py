@@ -257,7 +257,7 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # path for the evaluate stage and the deployed client; readers parse in split_json_lines; accumulation steps and their
 # weights cut once; load_preset checks its params; one TOML writer; outputs identical), +9 for a fix: a split allowed
 # absent is allowed absent in a download too (it was fetched again on every run, and a failed fetch failed ingest).
-PACKAGE_LINE_CEILING = 14_688
+PACKAGE_LINE_CEILING = 14_684
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

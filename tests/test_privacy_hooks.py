@@ -20,7 +20,7 @@ PRIVATE = SimpleNamespace(
 def test_without_privacy_loaded_a_plain_plan_runs_as_before():
     strategy = object()
     assert NO_PRIVACY.local_steps(PLAIN, None, [], 0, "Committee", None) is None
-    assert NO_PRIVACY.client_level(PLAIN, strategy, 3) == (strategy, None)
+    assert NO_PRIVACY.client_level(PLAIN, strategy, 3) is None
     assert NO_PRIVACY.secure_aggregator(PLAIN, ["a", "b"], None, 1.0) is None
     assert NO_PRIVACY.client_train("msg", "ctx", lambda m, c: (m, c)) == ("msg", "ctx")
     assert NO_PRIVACY.dp_steps("ctx") is None

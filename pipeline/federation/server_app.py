@@ -111,8 +111,8 @@ def run_server(
         )
 
     strategy = build_strategy(spec.strategy, t.strategy_params, fraction_train=t.fraction_train, client_lr=t.lr)
-    # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
-    strategy, client_level = privacy.client_level(plan, strategy, len(declared))
+    # privacy.mode client: Flower's DP wrapper around the strategy, also the round record (else None); SecAgg+
+    strategy = (client_level := privacy.client_level(plan, strategy, len(declared))) or strategy
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
     if ckpt is not None:  # its strategy state and random generators restored
         restore_strategy_state(strategy, ckpt["strategy_state"])
@@ -122,17 +122,17 @@ def run_server(
     history = list(ckpt["history"]) if ckpt is not None else []
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
     config = {"plan": plan_path, PLAN_HASH: plan.hash, **(client_settings_config(cache) if cache else {})}
-    # The round the late client joined, if it has (a resumed run reads it from the restored history).
-    joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
+    # Whether the late client has joined (a resumed run reads it from the restored history).
+    joined = any(r["client"] == late for r in history)
 
     for rnd in training_rounds(plan, recorder, clients, ckpt, history, log, late):
-        if late is not None and joined_at is None and new_client_joins(rnd, history, late, t.join):
-            joined_at = rnd
+        if late is not None and not joined and new_client_joins(rnd, history, late, t.join):
+            joined = True
             log.info(
                 "%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment, rnd, late
             )
         connected = connected_nodes(grid, plan_path, node_names, round_timeout_s, clients)
-        admitted = [n for n, c in sorted(connected.items(), key=lambda nc: nc[1]) if c != late or joined_at is not None]
+        admitted = [n for n, c in sorted(connected.items(), key=lambda nc: nc[1]) if c != late or joined]
         view = GridView(grid, admitted)  # a new client joins at its round
         # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
@@ -156,7 +156,7 @@ def run_server(
             rows[name] = history_row(rnd, name, 1) | {"bytes_down": payload_bytes(m.content)}
         for n in admitted:
             rows.setdefault(node_names[n], history_row(rnd, node_names[n], 0))
-        for name in sorted(set(clients) - set(connected.values()) - ({late} if joined_at is None else set())):
+        for name in sorted(set(clients) - set(connected.values()) - (set() if joined else {late})):
             rows[name] = history_row(rnd, name, 0, absent=1)
         exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s, client_level, clipping_norm)
         if secure is None:

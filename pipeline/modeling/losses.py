@@ -232,7 +232,7 @@ def distillation_losses(
         entropy_p[:taught] = teacher_entropy(z_g, log_base, chunk_rows)
     for r in range(runs_taught):
         s, e, cfg, hard_gate = starts[r], starts[r + 1], cfgs[r], None
-        if (gate_rule := gate_of(cfg)) is None:  # mode ce beside a teacher: its entropy only
+        if (gate_rule := gate_of(cfg.mode, cfg.kd_gate)) is None:  # mode ce beside a teacher: its entropy only
             gates.append(torch.zeros(e - s, dtype=torch.bool, device=dev))
             continue
         if cfg.mode == "hard" and (mask := hard_masks[r]) is not None:  # without one, its gate says what is missing

@@ -52,15 +52,14 @@ def check_run(plan) -> None:
 
 
 def client_level(plan, strategy, population: int):
-    """(strategy, round record): under privacy.mode client both the DP strategy around ``strategy``."""
+    """Under privacy.mode client the DP strategy around ``strategy`` (also the round record), else None."""
     if plan.privacy is None or plan.privacy.mode != "client":
-        return strategy, None
+        return None
     problem = client_level_problem(plan.spec, plan.train.transfer_dtype, plan.privacy)
     if problem:  # the plan stage refuses it; a plan file written by hand is refused here
         raise ValueError(f"{plan.source}: privacy.mode client: {problem}")
     releases = checkpoints.checkpoint_dir(plan) / checkpoints.DP_RELEASES if plan.spec.local_from_global else None
-    dp = ClientLevelDP(strategy, plan, server_setting(plan, population), releases)
-    return dp, dp
+    return ClientLevelDP(strategy, plan, server_setting(plan, population), releases)
 
 
 def secure_aggregator(

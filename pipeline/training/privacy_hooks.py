@@ -27,8 +27,7 @@ def _restore_dp_steps(context, steps: int | None) -> None:
 # The calls a run makes where privacy changes something (pipeline.privacy.seam documents each), as a run without it.
 NO_PRIVACY = SimpleNamespace(
     local_steps=lambda plan, *args, **kwargs: _unprotected(plan),  # a client's DP-SGD steps (None: the plain ones)
-    # (the server's strategy, its client-level DP round record)
-    client_level=lambda plan, strategy, population: _unprotected(plan, (strategy, None)),
+    client_level=lambda plan, strategy, population: _unprotected(plan),  # the server's DP strategy, or None
     secure_aggregator=lambda plan, *args, **kwargs: _unprotected(plan),  # the SecAgg+ round runner, or None
     client_train=lambda msg, context, train_round: train_round(msg, context),  # the ClientApp's train handler
     dp_steps=lambda context: None,  # a client's DP-SGD steps so far

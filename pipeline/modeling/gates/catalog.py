@@ -9,7 +9,6 @@ from pipeline.modeling.gates.registry import GATES, Gate
 MODE_GATES = {"kd": "every_token", "hard": "token_mask"}
 
 
-def gate_of(cfg) -> Gate | None:
-    """The gate of a loss configuration (KDConfig), or None for mode ce (no KD); kd_gate is one of GATES (KDConfig's
-    GateName)."""
-    return None if cfg.mode == "ce" else GATES[MODE_GATES.get(cfg.mode, cfg.kd_gate)]
+def gate_of(mode: str, kd_gate: str) -> Gate | None:
+    """The gate of KD mode ``mode`` (selective: ``kd_gate``, one of GATES), or None for mode ce (no KD)."""
+    return None if mode == "ce" else GATES[MODE_GATES.get(mode, kd_gate)]
