@@ -15,11 +15,12 @@ pytestmark = pytest.mark.tools  # a developer tool under tools/
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_committed_section_is_the_one_generated_from_the_returned_files():
+@pytest.mark.parametrize("number, kept", [(5, "gpu-study-call"), (6, "gpu-study-call-2026-11-28b")])
+def test_committed_section_is_the_one_generated_from_the_returned_files(number, kept):
     text = (ROOT / "reports" / "bench" / "engine.md").read_text()
-    committed = "## 5." + text.partition("## 5.")[2].partition("\n## 6.")[0]
-    folder = ROOT / "reports" / "bench" / "gpu-study-call"
-    assert committed.strip() == call_report.section(folder).strip()
+    committed = f"## {number}." + text.partition(f"## {number}.")[2].partition(f"\n## {number + 1}.")[0]
+    folder = ROOT / "reports" / "bench" / kept
+    assert committed.strip() == call_report.section(folder, number, f"reports/bench/{kept}").strip()
     assert "NVIDIA" in re.search(r"Device: ([^;]+);", committed).group(1)  # measured on the lent GPU
 
 

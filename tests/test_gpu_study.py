@@ -105,17 +105,19 @@ def test_carry_split_over_staging_calls_reassembles_the_weights(tmp_path):
     assert len(stages) >= 2 and stages == [f"stage{i}" for i in range(1, len(stages) + 1)]
     assert all(v <= carry_small for v in m["calls"].values())
     assert m["weights"]["parts"] == [f"weights.part{i}" for i in range(1, len(stages) + 2)]
-    # the lease's calls prepare prints: a staging call per folder, in order, then the study's and the resumed call
+    # the lease's calls prepare prints: a staging call per folder, in order, then the study's (detached) and the call
+    # that waits for its files
     calls = prepare.lease_calls(m)
     assert len(calls) == len(stages) + 2
     assert [c.rsplit(" ", 1)[-1] for c in calls[: len(stages)]] == [f".gpu-study/{n}" for n in stages]
     assert calls[0].startswith("kind nvidia-h200, carry ") and not any("kind" in c for c in calls[1:])
     assert calls[-2].startswith('carry [".gpu-study/carry"], limit ') and "--carry .gpu-study/carry" in calls[-2]
-    # each call's budget ends inside what the lease has left (the tool cuts the call there, before its files are
-    # packed), the study's too: a machine start that failed once leaves under 600 s for it
-    for call in calls[-2:]:
-        assert "--budget B " in call and "B = " in call and "budget_left_s - " in call.split("B = ")[1].split(":")[0]
-    assert "--resume" in calls[-1] and "--train-processes 3" in calls[-1]
+    assert "--detach W --train-processes 3" in calls[-2] and "device wait " in calls[-1]
+    # the study's budget and the waiting call's end inside what the lease has left (the tool cuts a call there,
+    # before its files are packed), the study's before the waiting call's deadline
+    study_margin = int(calls[-2].split("B = budget_left_s - ")[1].split(",")[0])
+    wait_margin = int(calls[-1].split("budget_left_s - ")[1].split(")")[0])
+    assert "--budget B " in calls[-2] and calls[-1].endswith("--budget W") and study_margin > wait_margin > 0
     staged = tmp_path / "staged"
     with pytest.raises(SystemExit, match="staging call"):
         device.assemble_minilm(tmp_path / "lease/carry", staged, tmp_path / "out")
@@ -394,6 +396,35 @@ def test_a_resumed_call_on_a_bare_machine_says_so_in_one_line(tmp_path):
     assert "fresh machine" in json.loads((out / "study.json").read_text())["error"]
 
 
+def test_a_detached_study_runs_on_after_its_call_and_a_later_call_collects_its_files(tmp_path):
+    """The lease of 2026-11-28 (second): the machine went back between the study call and the resumed one, which
+    found a fresh machine. Detached, the study runs in a session of its own through the gap: the call that starts it
+    returns a snapshot of the steps so far (3) and ends, the study goes on, and a later call returns its files. Its
+    budget (25 s, 20 of them kept for packing) cuts it a few seconds in, so it ends incomplete (1)."""
+    m = prepare.build_carry(
+        tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], _tiny_minilm(tmp_path / "m"), room=64 * 2**20
+    )
+    assert set(m["calls"]) == {"carry"}
+    work, first, later = tmp_path / "work", tmp_path / "out1", tmp_path / "out2"
+    call = [sys.executable, "-m", "tools.gpu_study.device", "run", "--carry", str(tmp_path / "lease/carry")]
+    call += ["--out", str(first), "--profile", str(TINY), "--work", str(work), "--budget", "25", "--detach", "0.5"]
+    assert subprocess.run(call, cwd=ROOT, capture_output=True).returncode == 3  # the call ends, the study does not
+    snapshot = json.loads((first / "study.json").read_text())
+    assert "runs on" in snapshot["detached"] and snapshot["steps"][0]["step"] == "install"
+    assert {p.name for p in first.iterdir()} == {"study.json", "log.tar.gz", "results.tar.gz"}
+    with pytest.raises(SystemExit, match="still runs: `wait` for it"):
+        device.detach([], work, tmp_path / "out3", 1)
+    assert device.main(["wait", "--work", str(work), "--out", str(later), "--budget", "80"]) == 1
+    final = json.loads((later / "study.json").read_text())
+    assert "detached" not in final and final["complete"] is False and final["seconds"] >= 5
+    assert len(final["steps"]) > len(snapshot["steps"])
+    assert "budget spent" in json.dumps(final["steps"]) or "timeout" in json.dumps(final["steps"])
+    assert {"log.tar.gz", "results.tar.gz", "daemon.txt"} <= {p.name for p in later.iterdir()}
+    with pytest.raises(SystemExit, match="no detached study: a fresh machine"):
+        device.collect(tmp_path / "bare", tmp_path / "out4", 1)
+    assert "fresh machine" in json.loads((tmp_path / "out4/study.json").read_text())["error"]
+
+
 def _resumable(tmp_path) -> tuple[Path, Path, Path]:
     """(the checkout, the work folder, $OUT) of a study call whose every step finished: the workspace holds the
     checkout's pipeline/ and tools/ and its params.yaml with TINY merged in (what make_workspace made of them)."""
@@ -593,7 +624,7 @@ def test_the_report_joins_only_the_parts_of_the_call_it_was_given(tmp_path):
         mp.setattr(
             call_report,
             "section",
-            lambda folder: seen.update(call_report._members(importer.archives(folder)["results.tar.gz"])) or "",
+            lambda folder, *_: seen.update(call_report._members(importer.archives(folder)["results.tar.gz"])) or "",
         )
         mp.setattr(call_report, "replace_section", lambda *a: None)
         call_report.report(returned, keep, tmp_path / "engine.md")
@@ -638,17 +669,23 @@ def test_the_train_windows_pass_over_a_step_its_killed_call_left_running():
 
 def test_every_printed_call_fits_the_tools_limits_whatever_the_lease_has_left():
     """The device tool takes a limit of at most 600 s and cuts a call at the lease's time left; the script's files come
-    back only once it has packed them at its budget. Each printed call's budget and limit, evaluated at every
-    budget_left_s a lease can show (a study call that failed early leaves over 610 s for the resumed one), must keep
-    the limit within both, and the budget within the limit."""
-    calls = prepare.lease_calls({"calls": {"stage1": 1, "carry": 1}})
-    formulas = [re.search(r"limit B \+ (\d+) s, B = ([^:]+):", c) for c in calls[-2:]]
-    assert all(formulas)
-    for left in range(60, 901):
-        for m in formulas:
-            budget = eval(m.group(2), {"min": min, "max": max, "budget_left_s": left})  # noqa: S307
-            limit = budget + int(m.group(1))
-            assert limit <= 600 and limit <= left and budget <= limit, (m.group(0), left)
+    back only once it has packed them, within the call. Each printed call's formulas, evaluated at every
+    budget_left_s a lease can show, must keep the limit within both and the wait within the limit; the detached
+    study's budget, which outlasts its call, must end inside the lease before the waiting call's deadline, which the
+    waiting call evaluates at what is left once the study call has waited W and returned."""
+    study, wait = prepare.lease_calls({"calls": {"stage1": 1, "carry": 1}})[-2:]
+    s = re.search(r"limit W \+ (\d+) s, B = budget_left_s - (\d+), W = min\(B, (\d+)\):", study).groups()
+    w = re.search(r"limit W \+ (\d+) s, W = min\((\d+), budget_left_s - (\d+)\):", wait).groups()
+    for left in range(120, 901):
+        budget = left - int(s[1])
+        waited = min(budget, int(s[2]))
+        assert waited + int(s[0]) <= min(600, left) and 0 < budget <= left, left
+        for gap in range(31):  # the waiting call, sent while the machine is warm: within 30 s of the study call
+            later = left - waited - gap
+            wait_s = min(int(w[1]), later - int(w[2]))
+            assert wait_s + int(w[0]) <= min(600, later), (left, gap)
+            if wait_s < int(w[1]):  # a lease the study fills: the study has ended before the waiting call stops
+                assert budget < waited + gap + wait_s - device.RESERVE_S, (left, gap)
 
 
 def test_the_report_of_a_call_without_archives_leaves_the_kept_call_as_it_was(tmp_path):
@@ -780,15 +817,15 @@ def test_the_gpu_lease_docs_call_settings_are_the_tools_and_the_profiles():
         )
         in doc
     )
-    stage, study, resumed = prepare.lease_calls({"calls": {"stage1": 1, "carry": 1}})
+    stage, study, wait = prepare.lease_calls({"calls": {"stage1": 1, "carry": 1}})
     limit = re.search(r"limit (\d+) s", stage)[1]
-    study_b = re.search(r"limit B \+ (\d+) s, B = min\((\d+), budget_left_s - (\d+)\)", study).groups()
-    resumed_b = re.search(r"limit B \+ (\d+) s, B = min\((\d+), budget_left_s - (\d+)\)", resumed).groups()
+    study_b = re.search(r"limit W \+ (\d+) s, B = budget_left_s - (\d+), W = min\(B, (\d+)\)", study).groups()
+    wait_b = re.search(r"limit W \+ (\d+) s, W = min\((\d+), budget_left_s - (\d+)\)", wait).groups()
     assert f"a {limit} s limit for each stage folder the carry needs" in doc
-    assert f"whose budget is {study_b[1]} s or what the lease has left" in doc
-    assert f"less {study_b[2]} s, whichever is less, and its limit {study_b[0]} s above it" in doc
-    assert f"whose budget is what is left less {resumed_b[2]} s or {resumed_b[1]} s, whichever is" in doc
-    assert f"less (its limit {resumed_b[0]} s above it, at most the tool's 600 s" in doc
+    assert f"`budget_left_s`) less {study_b[1]} s, the call waits W = B or {study_b[2]} s, whichever is less" in doc
+    assert f"and its limit is {study_b[0]} s above W" in doc
+    assert f"its budget what is left less {wait_b[2]} s (or {wait_b[1]} s, whichever is less) and its limit" in doc
+    assert f"limit {wait_b[0]} s above it:" in doc
     assert f"the rest skipped, {device.RESERVE_S} s kept for packing)" in doc
     smi, rate = re.search(r'"-l", "(\d+)"', source)[1], re.search(r'"-r", "(\d+)"', source)[1]
     assert f"samples `nvidia-smi` every {smi} s" in doc
@@ -814,6 +851,31 @@ def test_the_gpu_lease_docs_warm_up_pace_is_the_committed_calls_backbone_record(
         f"its {warmup['steps']:,} steps ran at {warmup['steps'] / warmup['seconds']:.0f} steps/s with the per-tensor "
         f"loop, {warmup['seconds']:.0f} of the backbone step's {step['seconds']:.0f} s)"
     ) in doc
+
+
+def test_the_gpu_lease_docs_second_lease_is_its_kept_calls():
+    """docs/gpu-lease.md's second lease of 2026-11-28: the backbone step, both warm-ups, the train steps' seconds and
+    the warm-up losses where they part, read from the two leases' kept files."""
+    doc = " ".join((ROOT / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
+    first, second = ROOT / "reports/bench/gpu-study-call", ROOT / "reports/bench/gpu-study-call-2026-11-28b"
+
+    def kept(call: Path) -> tuple[dict, dict]:
+        with tarfile.open(call / "results.tar.gz") as tar:
+            warmup = json.loads(tar.extractfile("reports/backbone.json").read())["warmup"]
+        return warmup, {s["step"]: s for s in json.loads((call / "study.json").read_text())["steps"]}
+
+    (w1, _), (w2, steps) = kept(first), kept(second)
+    assert f"the backbone step {steps['backbone']['seconds']:.1f} s, its warm-up {w2['seconds']:.1f} s" in doc
+    assert f"against the first lease's {w1['seconds']:.1f} s" in doc
+    train = {int(s["seconds"]) for name, s in steps.items() if name.startswith("train@")}
+    assert train == {442} and "trained side by side for 442 s" in doc
+    assert all(s["status"] == "failed (timeout)" for n, s in steps.items() if n.startswith("train@"))
+    logs = [{e["step"]: e["loss"] for e in w["loss_log"]} for w in (w1, w2)]
+    parted = min(step for step in logs[0] if logs[0][step] != logs[1][step])
+    assert logs[0][25] == logs[1][25] and logs[0][50] == logs[1][50] and parted == 75
+    assert f"reads {logs[0][75]} and then {logs[1][75]} at step 75" in doc
+    refused = json.loads((second / "resumed-call-study.json").read_text())
+    assert refused["complete"] is False and "a fresh machine" in refused["error"]
 
 
 def test_the_import_of_a_call_cut_before_any_run_finished_writes_the_readme_not_a_traceback(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """What a GPU study call measured, finished or cut by its budget: reports/bench/engine.md's section 5.
 
     python -m tools.gpu_study.call_report DIR [--keep reports/bench/gpu-study-call] [--md reports/bench/engine.md]
+        [--section 5]
 
 ``DIR`` holds the files ``tools.gpu_study.device run`` returned (study.json, log.tar.gz, results.tar.gz). They are
 copied to ``--keep`` (the evidence, ~0.1 MiB; the log holds no client text) and the section is written from them:
@@ -128,6 +129,8 @@ def markdown(
     params: dict[str, Any],
     spy: dict | None = None,
     floor: dict[str, float] | None = None,
+    number: int = 5,
+    kept: str = "reports/bench/gpu-study-call",
 ) -> str:
     from pipeline.common.config import from_dict
     from pipeline.experiments.train_config import StopConfig
@@ -173,14 +176,14 @@ def markdown(
     trained = all(s["status"] == "ok" for s in study["steps"] if s["step"].startswith("train"))
     util = [u for u, _ in in_train]
     return (
-        "## 5. The GPU study's call on a lent GPU (`tools/gpu_study/device.py run`; "
+        f"## {number}. The GPU study's call on a lent GPU (`tools/gpu_study/device.py run`; "
         "`python -m tools.gpu_study.call_report`)\n\n"
         f"Device: {study['device'].get('gpu', 'none')}; Python {study['device']['python']}; "
         f"{f'{datetime.fromtimestamp(t0):%Y-%m-%d} (the first nvidia-smi sample)' if t0 else 'no nvidia-smi samples'}"
         f". configs/gpu-study.yaml's {len(rounds)} runs in {len(calls)} call(s) on one machine: "
         f"{sum(c['seconds'] for c in calls):.0f} s of their {sum(c['budget_s'] for c in calls):.0f} s budgets, "
         f"{'every step completed' if study['complete'] else 'not complete'}. The returned files are in "
-        "reports/bench/gpu-study-call/.\n\n"
+        f"{kept}/.\n\n"
         f"| step | status | seconds | call |\n|---|---|---|---|\n{steps}\n"
         f"Training: the {len(rounds)} runs as {_sets(calls)} (`pipeline.train` with every experiment of a set), "
         f"{run_rounds} run-rounds "
@@ -253,8 +256,8 @@ def _share(values: list[float], keep) -> str:
     return f"{100 * sum(map(keep, values)) / len(values):.0f}" if values else "-"
 
 
-def section(folder: Path) -> str:
-    """Section 5 from a folder of returned files."""
+def section(folder: Path, number: int = 5, kept: str = "reports/bench/gpu-study-call") -> str:
+    """Section ``number`` from a folder of returned files, which ``kept`` names (its folder in the repo)."""
     study = json.loads((folder / "study.json").read_text())
     blobs = archives(folder)
     if missing := [n for n in ("log.tar.gz", "results.tar.gz") if n not in blobs]:
@@ -280,12 +283,16 @@ def section(folder: Path) -> str:
     partitions = {p["partition"] for p in params["experiments"].values()}  # the study's: one
     blob = results.get(f"reports/partitions/{next(iter(partitions)).replace('/', '-')}.json")
     floor = floor_per_run_round(rounds, params, json.loads(blob) if blob and len(partitions) == 1 else None)
-    return markdown(study, log, smi, rounds, params, spy, floor)
+    return markdown(study, log, smi, rounds, params, spy, floor, number, kept)
 
 
-def report(returned: Path, keep: Path, md: Path) -> None:
-    """Copy the returned files to ``keep`` and rewrite ``md``'s section 5 from them."""
-    text = section(returned)  # first: files it refuses (a call cut before packing) leave the kept call as it was
+def report(returned: Path, keep: Path, md: Path, number: int = 5) -> None:
+    """Copy the returned files to ``keep`` and rewrite ``md``'s section ``number`` from them."""
+    kept = keep.resolve()
+    name = kept.relative_to(REPO).as_posix() if kept.is_relative_to(REPO) else str(kept)
+    text = section(
+        returned, number, name
+    )  # first: files it refuses (a call cut before packing) leave the kept call as it was
     if returned.resolve() != keep.resolve():
         keep.mkdir(parents=True, exist_ok=True)
         for f in keep.glob("*.tar.gz*"):  # an earlier call's archives and parts: joined with this call's otherwise
@@ -293,7 +300,7 @@ def report(returned: Path, keep: Path, md: Path) -> None:
         for f in returned.iterdir():
             if f.is_file():
                 shutil.copy(f, keep / f.name)
-    replace_section(md, 5, text, "The set engine (issue 53)")
+    replace_section(md, number, text, "The set engine (issue 53)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -301,8 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("returned", type=Path, help="the folder of the files the device call returned")
     ap.add_argument("--keep", type=Path, default=REPO / "reports/bench/gpu-study-call")
     ap.add_argument("--md", type=Path, default=REPO / "reports/bench/engine.md")
+    ap.add_argument("--section", type=int, default=5, help="the section of --md it writes (6: a later lease's call)")
     args = ap.parse_args(argv)
-    report(args.returned, args.keep, args.md)
+    report(args.returned, args.keep, args.md, args.section)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,13 @@ child ``python`` as dvc.yaml's command for it (``python -m pipeline.<stage> ...`
    fails or outruns ``--budget`` is stopped, recorded in ``study.json`` and the steps after it are skipped
    (study.json is also written under ``--out`` as each step starts and ends: a call killed past its limit returns it).
 
+With ``--detach W`` the study runs in a process of its own session, which the machine keeps running after the call
+returns (the tool ends a call's other processes, not a new session's); the call waits W seconds for it, then returns
+the files if it ended, else a snapshot of its record and results so far. A later call on the same warm machine
+(``wait``, no carry) waits for it and returns its files (:func:`collect`). The study then runs through the gap
+between the calls and never stops for one: no round or evaluation cut and redone, no second start of the train
+processes; its budget is the lease's time left, not one call's 600 s.
+
 A later call on the same warm machine (``run --resume``, no carry) goes on where the last one stopped: the steps
 it finished stay done, ``train`` resumes every run from its last round checkpoint, then ``evaluate`` (the sets'
 lanes side by side again, each with what is left of it); study.json
@@ -517,6 +524,66 @@ def refuse(out: Path, error: str) -> NoReturn:
     raise SystemExit(error)
 
 
+DETACHED = "detached"  # under --work: a detached study's pid, its output and its own --out
+
+
+def detach(run_argv: list[str], work: Path, out: Path, wait_s: float) -> int:
+    """Start ``run_argv`` (a ``run`` command's arguments without ``--detach`` and ``--out``) in a session of its own,
+    writing its files to ``<work>/detached/out``, then :func:`collect` them for ``wait_s`` seconds."""
+    home = work / DETACHED
+    out.mkdir(parents=True, exist_ok=True)
+    if (home / "daemon.json").is_file() and _running(pid := json.loads((home / "daemon.json").read_text())["pid"]):
+        refuse(out, f"{home}: a detached study (pid {pid}) still runs: `wait` for it rather than start another")
+    if home.exists():
+        shutil.rmtree(home)
+    home.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "tools.gpu_study.device", "run", *run_argv, "--out", str(home / "out")]
+    with (home / "daemon.txt").open("w") as output:  # not the call's stdout: the tool would wait for it to close
+        study = subprocess.Popen(
+            cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    (home / "daemon.json").write_text(json.dumps({"pid": study.pid, "argv": cmd}) + "\n")
+    return collect(work, out, wait_s, study)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has: its parent has not reaped it yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def collect(work: Path, out: Path, wait_s: float, study: subprocess.Popen | None = None) -> int:
+    """Wait up to ``wait_s`` seconds for the detached study in ``work``, then put its files under ``out``: the ones
+    it packed if it ended (0 if complete, else 1), or, while it runs on, a snapshot (3): study.json (its steps so
+    far, ``detached`` saying it runs on), log.tar.gz and results.tar.gz as they stand."""
+    home = work / DETACHED
+    out.mkdir(parents=True, exist_ok=True)
+    if not (home / "daemon.json").is_file():
+        refuse(out, f"{work}: no detached study: a fresh machine (the study call's must still be warm)")
+    pid = json.loads((home / "daemon.json").read_text())["pid"]
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and (study.poll() is None if study else _running(pid)):
+        time.sleep(1)
+    if not (study.poll() is None if study else _running(pid)):
+        for f in sorted((home / "out").glob("*")) + [home / "daemon.txt"]:
+            shutil.copy(f, out / f.name)
+            print(f"{f.name}: {f.stat().st_size / 2**20:.2f} MiB")
+        if not (out / "study.json").is_file():
+            refuse(out, f"{home / 'daemon.txt'}: the detached study ended without its study.json (see daemon.txt)")
+        return 0 if json.loads((out / "study.json").read_text()).get("complete") else 1
+    record = json.loads((work / "study.json").read_text())
+    record["detached"] = f"pid {pid} runs on: `python3 -m tools.gpu_study.device wait` returns its files"
+    (out / "study.json").write_text(json.dumps(record, indent=2) + "\n")
+    logs = [work / "log.txt", work / "gpu.csv"]
+    pack(out, "log.tar.gz", [(p, p.name) for p in logs if p.is_file()])
+    pack(out, "results.tar.gz", results_members(work / "repo") if (work / "repo/params.yaml").is_file() else [])
+    print(json.dumps({"detached": record["detached"], "steps": record["steps"]}, indent=1))
+    return 3
+
+
 def run_study(
     carry: Path,
     out: Path,
@@ -619,6 +686,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--resume", action="store_true", help="go on where the last call in --work stopped")
     run.add_argument("--py-spy", type=Path, help="a py-spy executable: the train step's threads are sampled")
     run.add_argument("--train-processes", type=int, default=1, help="train the experiments in this many processes")
+    run.add_argument("--detach", type=float, metavar="W", help="run on in a session of its own; return after W s")
+    wait = sub.add_parser("wait", help="a later call: wait for the detached study, return its files")
+    wait.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")), help="where the files go")
+    wait.add_argument("--work", type=Path, default=Path("/tmp/gpu-study"), help="the study call's --work")
+    wait.add_argument("--budget", type=float, default=540, help="seconds to wait, packing included")
     st = sub.add_parser("stage", help="a staging call: keep a carried folder's weight parts for the study's call")
     st.add_argument("folder", type=Path)
     ev = sub.add_parser("evaluate", help="the evaluate stage of several experiments in one process (step 5)")
@@ -630,7 +702,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stage":
         stage(args.folder)
         return 0
+    if args.command == "wait":
+        return collect(args.work, args.out.resolve(), args.budget - RESERVE_S)
     carry, out, profile = args.carry.resolve(), args.out.resolve(), args.profile.resolve()
+    if args.detach is not None:
+        run_argv = ["--carry", str(carry), "--profile", str(profile), "--work", str(args.work.resolve())]
+        run_argv += ["--budget", str(args.budget), "--train-processes", str(args.train_processes)]
+        run_argv += ["--resume"] * args.resume + (["--py-spy", str(args.py_spy.resolve())] if args.py_spy else [])
+        return detach(run_argv, args.work.resolve(), out, args.detach)
     spy = args.py_spy.resolve() if args.py_spy else None
     if spy is not None and spy.is_file():  # a carried file's mode bits may not travel (benchmarks/gpu_profile.py)
         spy.chmod(0o755)

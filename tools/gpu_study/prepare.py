@@ -204,26 +204,26 @@ def build_carry(
 
 
 STUDY_CALL = 'python3 -m tools.gpu_study.device run --carry .gpu-study/carry --out "$OUT"'
-RESUMED_CALL = 'python3 -m tools.gpu_study.device run --resume --py-spy .gpu-study/resume/py-spy --out "$OUT"'
+WAIT_CALL = 'python3 -m tools.gpu_study.device wait --out "$OUT"'
 
 
 def lease_calls(manifest: dict[str, Any], train_processes: int = 3) -> list[str]:
     """The device calls of a lease, in order, as docs/gpu-lease.md step 2 makes them: one staging call per
-    ``stage<i>`` folder this carry has, the study's call, and the resumed call if the study did not finish."""
+    ``stage<i>`` folder this carry has, the study's call (detached: the study runs on after it) and the call that
+    waits for the study's end and returns its files."""
     stages = sorted((n for n in manifest["calls"] if n != "carry"), key=lambda n: int(n[len("stage") :]))
     calls = [
         f'carry [".gpu-study/{n}"], limit 60 s: python3 -m tools.gpu_study.device stage .gpu-study/{n}' for n in stages
     ]
-    processes = f"--train-processes {train_processes}"
-    # the tool cuts a call at the lease's time left when that is less than its limit, and the files come back only
-    # once the script has packed them: its budget must end inside both (a slow start can leave under 600 s)
+    # the study's budget is the lease's time left, less the calls' transfers and the gap between them; the files come
+    # back only from a call that ends inside the lease, so the waiting call's deadline comes after the study's end
     calls.append(
-        f'carry [".gpu-study/carry"], limit B + 30 s, B = min(570, budget_left_s - 40): {STUDY_CALL} --budget B '
-        f"{processes}"
+        f'carry [".gpu-study/carry"], limit W + 30 s, B = budget_left_s - 60, W = min(B, 560): {STUDY_CALL} '
+        f"--budget B --detach W --train-processes {train_processes}"
     )
     calls.append(
-        'if the study did not finish and status says warm (else a fresh machine has nothing to resume): carry [".gpu-study/resume"], limit B + 20 s, B = min(580, budget_left_s - 30): '
-        f"{RESUMED_CALL} --budget B {processes}"
+        "if the study call returned 3 (the study runs on) and status says warm (else the machine went back with it): "
+        f"no carry, limit W + 10 s, W = min(580, budget_left_s - 20): {WAIT_CALL} --budget W"
     )
     # the first call picks the machine, the later ones keep it: three sets' evaluations side by side held 89,670 MiB
     # on 2026-11-28 (engine.md section 5), over an H100's 80 GB
