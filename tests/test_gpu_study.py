@@ -425,6 +425,26 @@ def test_a_detached_study_runs_on_after_its_call_and_a_later_call_collects_its_f
     assert "fresh machine" in json.loads((tmp_path / "out4/study.json").read_text())["error"]
 
 
+def test_a_detached_study_ended_with_its_call_is_collected_at_once_as_it_stood(tmp_path):
+    """Were the study's session ended with the call that started it (the tool says it is not), `wait` must not wait
+    out its budget for a process that is gone: it returns at once the record the study saved as each step started
+    (status 1), and the work folder holds what a resumed call goes on from."""
+    import signal
+
+    prepare.build_carry(tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], _tiny_minilm(tmp_path / "m"), room=2**26)
+    work = tmp_path / "work"
+    call = [sys.executable, "-m", "tools.gpu_study.device", "run", "--carry", str(tmp_path / "lease/carry")]
+    call += ["--out", str(tmp_path / "out1"), "--profile", str(TINY), "--work", str(work), "--budget", "300"]
+    assert subprocess.run([*call, "--detach", "3"], cwd=ROOT, capture_output=True).returncode == 3
+    os.killpg(json.loads((work / "detached/daemon.json").read_text())["pid"], signal.SIGKILL)
+    start = time.monotonic()
+    assert device.main(["wait", "--work", str(work), "--out", str(tmp_path / "out2"), "--budget", "300"]) == 1
+    assert time.monotonic() - start < 10
+    steps = json.loads((tmp_path / "out2/study.json").read_text())["steps"]
+    assert ("install", "ok") in [(s["step"], s["status"]) for s in steps] and "running" in {s["status"] for s in steps}
+    assert (work / "study.json").is_file() and (work / "repo/params.yaml").is_file()  # what --resume reads
+
+
 def _resumable(tmp_path) -> tuple[Path, Path, Path]:
     """(the checkout, the work folder, $OUT) of a study call whose every step finished: the workspace holds the
     checkout's pipeline/ and tools/ and its params.yaml with TINY merged in (what make_workspace made of them)."""

@@ -574,7 +574,8 @@ def collect(work: Path, out: Path, wait_s: float, study: subprocess.Popen | None
         if not (out / "study.json").is_file():
             refuse(out, f"{home / 'daemon.txt'}: the detached study ended without its study.json (see daemon.txt)")
         return 0 if json.loads((out / "study.json").read_text()).get("complete") else 1
-    record = json.loads((work / "study.json").read_text())
+    saved = work / "study.json"  # the study's record so far (none before its first step)
+    record = json.loads(saved.read_text()) if saved.is_file() else {"steps": [], "complete": False}
     record["detached"] = f"pid {pid} runs on: `python3 -m tools.gpu_study.device wait` returns its files"
     (out / "study.json").write_text(json.dumps(record, indent=2) + "\n")
     logs = [work / "log.txt", work / "gpu.csv"]
