@@ -103,14 +103,19 @@ def compare(a: Config, b: Config, read: Callable, cfg: BootstrapConfig, notes: l
     crossed, seeds with their own (a partition re-divided per seed) nested, each seed's full test sets
     (:func:`nested_interval`), a client some seeds lack noted, the client average then left out."""
     seeds_a, seeds_b = dict(a.runs), dict(b.runs)
-    frames = {}
+    ids, rows, same = {}, {}, defaultdict(list)  # seed: client: examples; (seed, client): rows; client: same-text flags
     for s in sorted(set(seeds_a) & set(seeds_b)):
         fa, fb = read(per_example, seeds_a[s]), read(per_example, seeds_b[s])
-        if fa is not None and fb is not None:
-            both = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
-            frames[s] = both.assign(**{k: both[f"{k}_a"] - both[f"{k}_b"] for k in SCORE_KEYS})  # A - B
-    seeds = sorted(frames)
-    ids = {s: shared_ids(frames[s]) for s in seeds}  # per seed, client: its examples
+        if fa is None or fb is None:
+            continue
+        both = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
+        frame = both.assign(**{k: both[f"{k}_a"] - both[f"{k}_b"] for k in SCORE_KEYS})  # A - B
+        ids[s] = shared_ids(frame)
+        pa, pb = read(_predictions, seeds_a[s]), read(_predictions, seeds_b[s])
+        for c, cids in ids[s].items():
+            rows[s, c] = client_rows(frame, c, cids)  # selected once
+            same[c] += [pa[(c, i)] == pb[(c, i)] for i in cids if (c, i) in pa and (c, i) in pb]
+    seeds = sorted(ids)
     if not any(ids.values()):
         notes.append(f"{a.study}: {a.label} vs {b.label}: no evaluated seed and test example in common")
         return []
@@ -122,15 +127,9 @@ def compare(a: Config, b: Config, read: Callable, cfg: BootstrapConfig, notes: l
             f"{a.study}: {a.label} vs {b.label}: client {c} has no paired test example in seed(s) "
             f"{', '.join(map(str, lacking[c]))}; its rows use the other seeds, and no client average is given"
         )
-    same: dict[str, list[bool]] = defaultdict(list)
-    for s in seeds:
-        pa, pb = (read(_predictions, runs[s]) for runs in (seeds_a, seeds_b))
-        for client, e in ids[s].items():
-            same[client] += [pa[(client, i)] == pb[(client, i)] for i in e if (client, i) in pa and (client, i) in pb]
 
     out = []
     runs_a, runs_b = (",".join(runs[s] for s in seeds) for runs in (seeds_a, seeds_b))
-    rows = {(s, c): client_rows(frames[s], c, cids) for s in seeds for c, cids in ids[s].items()}  # selected once
     for scope, scope_clients in [(c, [c]) for c in clients] + [(AVERAGE, clients)] * (not any(lacking.values())):
         flags = [x for c in scope_clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
@@ -173,7 +172,7 @@ def comparisons_table(
                     f"{config.study}: {config.label} has no {method} run on partition scheme "
                     f"{config.scheme!r} to compare with"
                 )
-            elif base != config and (config, base) not in done and (base, config) not in done:
+            elif (config, base) not in done and (base, config) not in done:
                 done.add((config, base))
                 rows.extend(compare(config, base, read, cfg, notes))
         plain = _plain(config, configs, config.study) if config.dp else None  # the same without privacy
