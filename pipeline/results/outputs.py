@@ -234,8 +234,7 @@ def headline_metrics(
     keys = methods.where(~methods.duplicated(keep=False), methods.index.str.replace(" ", "_"))
     for label, grp in main.groupby("label", sort=True):
         entry: dict[str, Any] = {k: round(float(grp[f"{col}_mean"].mean()), 4) for k, col in HEADLINE_ROUGE.items()}
-        interval = intervals.get(label)
-        if interval is not None:
+        if (interval := intervals.get(label)) is not None:
             entry["avg_rouge_low"], entry["avg_rouge_high"] = (round(float(v), 4) for v in interval)
         entry["clients"] = {str(c): round(float(v), 4) for c, v in zip(grp["client"], grp["avg_rouge_mean"])}
         out.setdefault(HEADLINE_STUDY, {})[str(keys[label])] = entry
