@@ -289,11 +289,9 @@ def section(folder: Path, number: int = 5, kept: str = "reports/bench/gpu-study-
 def report(returned: Path, keep: Path, md: Path, number: int = 5) -> None:
     """Copy the returned files to ``keep`` and rewrite ``md``'s section ``number`` from them."""
     kept = keep.resolve()
-    name = kept.relative_to(REPO).as_posix() if kept.is_relative_to(REPO) else str(kept)
-    text = section(
-        returned, number, name
-    )  # first: files it refuses (a call cut before packing) leave the kept call as it was
-    if returned.resolve() != keep.resolve():
+    # first: files it refuses (a call cut before packing) leave the kept call as it was
+    text = section(returned, number, kept.relative_to(REPO).as_posix() if kept.is_relative_to(REPO) else str(kept))
+    if returned.resolve() != kept:
         keep.mkdir(parents=True, exist_ok=True)
         for f in keep.glob("*.tar.gz*"):  # an earlier call's archives and parts: joined with this call's otherwise
             f.unlink()

@@ -355,6 +355,17 @@ def pack(out: Path, name: str, members: list[tuple[Path, str]]) -> list[Path]:
     return files
 
 
+def pack_work(work: Path, out: Path) -> list[Path]:
+    """``work``'s log.tar.gz (the log, the GPU samples, py-spy's stacks) and results.tar.gz (:func:`results_members`
+    of its workspace, once the workspace has its params.yaml) under ``out``."""
+    logs = (work / "log.txt", work / "gpu.csv", *sorted(work.glob("pyspy-train*.txt")))
+    files = pack(out, "log.tar.gz", [(p, p.name) for p in logs if p.is_file()])
+    repo_dir = work / "repo"
+    return files + pack(
+        out, "results.tar.gz", results_members(repo_dir) if (repo_dir / "params.yaml").is_file() else []
+    )
+
+
 def weights_md5(work: Path) -> Path:
     """``weights.md5.json``: the md5 of every weights file the run wrote (they stay on the machine)."""
     models = work / "models"
@@ -564,10 +575,11 @@ def collect(work: Path, out: Path, wait_s: float, study: subprocess.Popen | None
     if not (home / "daemon.json").is_file():
         refuse(out, f"{work}: no detached study: a fresh machine (the study call's must still be warm)")
     pid = json.loads((home / "daemon.json").read_text())["pid"]
+    running = (lambda: study.poll() is None) if study else partial(_running, pid)  # a child of this call, or not
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and (study.poll() is None if study else _running(pid)):
+    while time.monotonic() < deadline and running():
         time.sleep(1)
-    if not (study.poll() is None if study else _running(pid)):
+    if not running():
         for f in sorted((home / "out").glob("*")) + [home / "daemon.txt"]:
             shutil.copy(f, out / f.name)
             print(f"{f.name}: {f.stat().st_size / 2**20:.2f} MiB")
@@ -578,9 +590,7 @@ def collect(work: Path, out: Path, wait_s: float, study: subprocess.Popen | None
     record = json.loads(saved.read_text()) if saved.is_file() else {"steps": [], "complete": False}
     record["detached"] = f"pid {pid} runs on: `python3 -m tools.gpu_study.device wait` returns its files"
     (out / "study.json").write_text(json.dumps(record, indent=2) + "\n")
-    logs = [work / "log.txt", work / "gpu.csv"]
-    pack(out, "log.tar.gz", [(p, p.name) for p in logs if p.is_file()])
-    pack(out, "results.tar.gz", results_members(work / "repo") if (work / "repo/params.yaml").is_file() else [])
+    pack_work(work, out)
     print(json.dumps({"detached": record["detached"], "steps": record["steps"]}, indent=1))
     return 3
 
@@ -663,10 +673,7 @@ def run_study(
     record["seconds"] = round(time.monotonic() - t0, 2)
     record["complete"] = ok
     (work / "study.json").write_text(json.dumps(record, indent=2) + "\n")
-    files = [shutil.copy(work / "study.json", out / "study.json")]
-    logs = (log_path, work / "gpu.csv", *sorted(work.glob("pyspy-train*.txt")))
-    files += pack(out, "log.tar.gz", [(p, p.name) for p in logs if p.is_file()])
-    files += pack(out, "results.tar.gz", results_members(repo_dir) if repo_dir.is_dir() else [])
+    files = [shutil.copy(work / "study.json", out / "study.json"), *pack_work(work, out)]
     if len(files) > MAX_FILES:
         raise SystemExit(f"{out}: {len(files)} files, more than the {MAX_FILES} the machine returns")
     for f in files:
