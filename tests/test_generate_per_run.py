@@ -57,3 +57,26 @@ def test_decoding_lengths_beyond_the_backbones_positions_are_one_config_error(ke
         generate_per_run(
             model, [model.adapter_state("local")], [[" ".join(WORDS * 200)]], cfg, lengths["max_source_length"], "x"
         )
+
+
+def test_each_generate_call_holds_runs_of_one_batch_length_so_no_row_is_padding(monkeypatch):
+    """Runs of 5, 7 and 13 sources in batches of 4 (as the GPU study's clients of 49, 66 and 129 in batches of 64)
+    generate each source once: 25 rows for the three runs, where calls of the runs in their order, a short batch
+    filled to its call's widest, would compute 27; a call holds at most GENERATE_ROWS rows (8 here)."""
+    from pipeline.results import evaluation
+
+    backbone, tokenizer = tiny("bart")
+    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    calls: list[int] = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda ids, *a, **k: calls.append(len(ids)) or generate(ids, *a, **k))
+    monkeypatch.setattr(evaluation, "GENERATE_ROWS", 8)
+    sources = [(WORDS * 3)[:n] for n in (5, 7, 13)]
+    state = model.adapter_state("local")
+    cfg = EvaluateConfig(batch_size=4, num_beams=1, max_target_length=4, min_target_length=1)
+    summaries = generate_per_run(model, [state] * 3, sources, cfg, 32, "rows")
+    assert [len(s) for s in summaries] == [5, 7, 13]
+    # sources 0-3: three runs of 4 (two a call, then one); 4-7: batches of 4, 3 and 1, a call each, the longest first;
+    # 8-11 and 12: the last run's alone
+    assert calls == [8, 4, 4, 3, 1, 4, 1]
+    assert summaries == [generate_per_run(model, [state], [s], cfg, 32, "alone")[0] for s in sources]

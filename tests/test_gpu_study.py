@@ -853,7 +853,8 @@ def test_the_gpu_lease_docs_call_settings_are_the_tools_and_the_profiles():
     assert f"threads ({rate} samples/s, without pausing them)" in doc
     profile = yaml.safe_load((ROOT / "configs/gpu-study.yaml").read_text())
     evaluate, warmup = profile["evaluate"], profile["backbone"]["warmup"]
-    assert f"most {GENERATE_ROWS} sources a call; decoding batch {evaluate['batch_size']} x" in doc
+    calls = f"most {GENERATE_ROWS} sources a call, each call's runs of one batch length (no row is padding)"
+    assert f"{calls}; decoding batch {evaluate['batch_size']} x" in doc
     assert f"x {evaluate['num_beams']} beams a run: `evaluate.batch_size` in the profile)" in doc
     assert f"its {warmup['steps']:,} steps ran at" in doc and warmup["fused_adamw"] is True
 
