@@ -91,9 +91,7 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
     if len(keys) != len(received):
         raise ValueError(f"FitIns: {len(received)} arrays for {len(keys)} names")
     original = msg.content
-    msg.content = RecordDict(
-        {ARRAYS_KEY: ArrayRecord({k: Array(a) for k, a in zip(keys, received)}), CONFIG_KEY: ConfigRecord(config)}
-    )
+    msg.content = RecordDict({ARRAYS_KEY: keyed(keys, received), CONFIG_KEY: ConfigRecord(config)})
     try:
         reply = train(msg, context)
     finally:
