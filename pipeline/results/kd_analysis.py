@@ -5,7 +5,7 @@ points; and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -179,17 +179,15 @@ def tau_nats(run: Experiment) -> float | None:
     return run.tau * math.log(2) if bits else run.tau
 
 
-def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[tuple]:
+def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> Iterator[tuple]:
     """One sweep point per client of one experiment (:data:`SWEEP_COLUMNS`): its ROUGE, KD usage ratio, POS pattern."""
-    rows = []
     words = usage["words"]
     for client, s in scores.items():
         u = usage["clients"].get(client)
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis (NaN: no update)
         pos = pos_summary(to_best(words[words["client"] == client], u["best_round"] if u else 0))
         point = (run.name, client, tau_nats(run), gate_name(run), run.seed, s["avg_rouge"])
-        rows.append((*point, u["kd_usage_ratio"] if u else math.nan, *(pos[k] for k in SWEEP_POS)))
-    return rows
+        yield (*point, u["kd_usage_ratio"] if u else math.nan, *(pos[k] for k in SWEEP_POS))
 
 
 def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
