@@ -120,28 +120,26 @@ def main_table(agg: pd.DataFrame, backbone: str, inp: ReportInputs) -> pd.DataFr
     configuration without any evaluation gets its rows too (every seed missing), so no method hides silently."""
     paper = published.MAIN_TABLE.get(published.backbone_key(backbone) or "", {})
     sub = agg[(agg["study"] == "main") & (agg["backbone"] == backbone)]
+    absent = [  # a planned configuration without any evaluation: each client's row, its scores NaN
+        {"method": c.method, "label": c.label, "client": client, "n_seeds": 0, "seeds": ""}
+        | {"missing_seeds": ",".join(map(str, sorted({s for s, _ in c.runs} | set(inp.cfg.expected_seeds))))}
+        for c in inp.configurations
+        if c.study == "main" and c.label not in set(sub["label"])
+        for client in QMSUM_DOMAINS
+    ]
     rows = []
-
-    def add(method: str, label: str, client: str, ours: Any) -> None:
-        pub = paper.get(client, {}).get(method)
-        name = published.PAPER_METHOD_NAMES.get(method, method)
-        seeds = [ours[k] for k in ("n_seeds", "seeds", "missing_seeds")]
-        for metric in TABLE_METRICS:
-            p = getattr(pub, metric) if pub else None
-            mean = ours[f"{metric}_mean"]
-            row = (backbone, method, label, name, client, METRIC_LABELS[metric], mean, ours[f"{metric}_std"], *seeds)
-            rows.append((*row, p, None if p is None else mean - p))
-
-    for c in inp.configurations:
-        if c.study == "main" and c.label not in set(sub["label"]):
-            none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")} | {"n_seeds": 0, "seeds": ""}
-            none["missing_seeds"] = ",".join(map(str, sorted({s for s, _ in c.runs} | set(inp.cfg.expected_seeds))))
-            for client in QMSUM_DOMAINS:
-                add(c.method, c.label, client, none)
     # the sort below puts the configurations in the paper's method order
-    for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
+    for (method, label), lsub in pd.concat([sub, pd.DataFrame(absent)]).groupby(["method", "label"], sort=True):
+        name = published.PAPER_METHOD_NAMES.get(method, method)
         for client in _client_order(lsub["client"]):
-            add(method, label, client, lsub[lsub["client"] == client].iloc[0])
+            ours = lsub[lsub["client"] == client].iloc[0]
+            pub = paper.get(client, {}).get(method)
+            seeds = [ours[k] for k in ("n_seeds", "seeds", "missing_seeds")]
+            for metric in TABLE_METRICS:
+                p = getattr(pub, metric) if pub else None
+                mean = ours[f"{metric}_mean"]
+                row = (backbone, method, label, name, client, METRIC_LABELS[metric], mean, ours[f"{metric}_std"])
+                rows.append((*row, *seeds, p, None if p is None else mean - p))
     # never empty: the report asks only for a backbone with main-study rows
     table = pd.DataFrame(rows, columns=MAIN_COLUMNS)
     order = {m: i for i, m in enumerate(published.METHOD_ORDER)}
