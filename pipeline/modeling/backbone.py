@@ -227,9 +227,7 @@ def resolve(
         "vocab_size": len(tokenizer),
         "sep_token": sep_token,
         "sep_token_id": int(sep_id),
-        "decoder_layers": _decoder_value(
-            model, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers"
-        ),
+        "decoder_layers": _decoder_value(model, "decoder_layers", "num_decoder_layers", "num_hidden_layers"),
         "hidden_size": _decoder_value(model, "d_model", "hidden_size"),
         "generation": asdict(cfg.generation),
         "warmup": warmup,
