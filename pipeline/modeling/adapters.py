@@ -47,8 +47,7 @@ class HoulsbyAdapter(nn.Module):
                 nn.init.zeros_(self.down.bias)
                 nn.init.zeros_(self.up.bias)
             if layer_norm is not None and layer_norm.weight is not None:
-                self.norm.weight.copy_(layer_norm.weight)
-                self.norm.bias.copy_(layer_norm.bias)
+                self.norm.load_state_dict(layer_norm.state_dict())  # its weight and bias
                 self.norm.eps = layer_norm.eps
             else:
                 self.norm.reset_parameters()  # weight 1, bias 0
