@@ -262,12 +262,12 @@ class AdapterSummarizer(nn.Module):
         return logits + bias.to(logits.device) if bias is not None else logits
 
     def path_logits(
-        self, prefix: Prefix, path: str | AdapterStack, masks, packed: bool = False, rows: torch.Tensor | None = None
+        self, prefix: Prefix, path: str | AdapterStack, masks, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Top k layers with ``path``'s adapters under ``masks`` (:meth:`top_masks`'s) + LM head on a prefix. The LM
-        head (n x V, the dominant cost) runs only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or
-        ``packed`` rows; ``rows`` (the target tokens' indices in the flattened [B * T], on the device): those packed
-        rows, with no host sync."""
+        head (n x V, the dominant cost) runs only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or with
+        ``rows`` (the target tokens' indices in the flattened [B * T], on the device) those packed rows, with no host
+        sync."""
         self_mask, cross_mask = masks
         h = prefix.decoder_hidden
         with self.use_path(path):
@@ -278,10 +278,9 @@ class AdapterSummarizer(nn.Module):
             return self._head(h.reshape(-1, h.shape[-1]).index_select(0, rows))
         mask = prefix.target_mask.to(h.device, torch.bool)
         if bool(mask.all()):
-            logits = self._head(h)
-            return logits.reshape(-1, logits.shape[-1]) if packed else logits
-        out = self._head(h[mask])  # unpacked: a differentiable scatter into zeros
-        return out if packed else out.new_zeros(*mask.shape, out.shape[-1]).index_put((mask,), out)
+            return self._head(h)
+        out = self._head(h[mask])  # a differentiable scatter into zeros
+        return out.new_zeros(*mask.shape, out.shape[-1]).index_put((mask,), out)
 
     def forward_two_paths(
         self, batch: Batch, prefix: Prefix | None = None, packed: bool = False, teacher: bool = True
@@ -291,9 +290,10 @@ class AdapterSummarizer(nn.Module):
         tokens (row-major)."""
         prefix = prefix if prefix is not None else self.compute_prefix(batch)
         masks = self.top_masks(prefix, batch.attention_mask)
-        logits_local = self.path_logits(prefix, "local", masks, packed)
+        rows = (batch.labels != IGNORE_INDEX).flatten().nonzero().squeeze(1).to(self.device) if packed else None
+        logits_local = self.path_logits(prefix, "local", masks, rows)
         with torch.no_grad():
-            return logits_local, self.path_logits(prefix, "global", masks, packed) if teacher else None
+            return logits_local, self.path_logits(prefix, "global", masks, rows) if teacher else None
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:
