@@ -149,13 +149,11 @@ def run_server(
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # This round's history row per client: sampled (with its downlink bytes), admitted but not sampled, or absent
         # (its SuperNode gone, Flower marked it offline: recorded, not waited for; the late client waits for its round)
-        rows: dict[str, dict[str, Any]] = {}
+        sampled = {m.metadata.dst_node_id for m in messages}  # of the admitted nodes (the view shows no other)
+        rows = {node_names[n]: history_row(rnd, node_names[n], int(n in sampled)) for n in admitted}
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
-            name = node_names[m.metadata.dst_node_id]
-            rows[name] = history_row(rnd, name, 1) | {"bytes_down": payload_bytes(m.content)}
-        for n in admitted:
-            rows.setdefault(node_names[n], history_row(rnd, node_names[n], 0))
+            rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
         for name in sorted(set(clients) - set(connected.values()) - (set() if joined else {late})):
             rows[name] = history_row(rnd, name, 0, absent=1)
         exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s, client_level, clipping_norm)
