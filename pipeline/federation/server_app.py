@@ -254,8 +254,7 @@ def _train_in_the_clear(
             left_out.add(id(reply))
             _left_out(r, row, why)
             continue
-        if r.client_level is not None:
-            r.clipped[row["client"]] = update
+        r.clipped[row["client"]] = update  # read under client-level DP only
         row.update(metrics)
     for node in unanswered(messages, replies):
         _left_out(r, r.rows[r.node_names[node]], f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
