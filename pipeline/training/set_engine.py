@@ -64,7 +64,7 @@ class Work:
 class _Member:
     """A thread handed the baton: a run of the set, or (``delivery``) one client message of a round."""
 
-    def __init__(self, name: str, target: Callable[[], Any], rng: tuple | None, delivery: bool = False):
+    def __init__(self, name: str, target: Callable[[], Any], rng: tuple, delivery: bool = False):
         self.name, self.target, self.rng, self.delivery = name, target, rng, delivery
         self.resume = threading.Event()  # the baton, handed to this run's thread
         self.paused = threading.Event()  # ... and handed back (parked at the barrier, or ended)
@@ -143,17 +143,12 @@ def _execute(parked: list[_Member], deliveries: list[_Member]) -> None:
     set's order and each run's with its generators: a message's local training waits (:func:`batched`) until all have
     reached theirs or ended; they train in one call, and the deliveries end in the same order (those of one run see
     its generators as one after the other would: a delivery starts from where the one before it paused)."""
-    by_run = {
-        member: [
-            _Member(f"{member.name}-client", partial(member.work.call, m), None, delivery=True)
-            for m in member.work.given
-        ]
-        for member in parked
-    }
-    deliveries[:] = [d for ds in by_run.values() for d in ds]
+    by_run: dict[_Member, list[_Member]] = {member: [] for member in parked}
     for member, ds in by_run.items():
-        for d in ds:
-            d.rng = member.rng
+        for m in member.work.given:
+            d = _Member(f"{member.name}-client", partial(member.work.call, m), member.rng, delivery=True)
+            ds.append(d)
+            deliveries.append(d)
             d.thread.start()
             _step(d)
             member.rng = d.rng
