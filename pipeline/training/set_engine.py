@@ -74,6 +74,7 @@ class _Member:
         self.result: Any = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, name=f"run-{name}", daemon=True)
+        self.thread.start()  # it waits for the baton
 
     def _main(self) -> None:
         _LOCAL.member = self
@@ -118,8 +119,6 @@ def run(targets: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     start = rng_state()
     members = [_Member(name, target, start) for name, target in targets.items()]
     deliveries: list[_Member] = []  # this round's client messages, while they are delivered
-    for member in members:
-        member.thread.start()
     try:
         while active := [m for m in members if not m.done]:
             for member in active:
@@ -149,7 +148,6 @@ def _execute(parked: list[_Member], deliveries: list[_Member]) -> None:
             d = _Member(f"{member.name}-client", partial(member.work.call, m), member.rng, delivery=True)
             ds.append(d)
             deliveries.append(d)
-            d.thread.start()
             _step(d)
             member.rng = d.rng
     while waiting := [d for d in deliveries if not d.done]:
