@@ -38,11 +38,11 @@ def _rows(rnd: int, mean: float) -> list[dict]:
 def _run(means: list[float], stop) -> tuple[int, dict]:
     """A scripted run as the engines loop: before each round the rule is checked on the rounds so far; round r's
     validation gives the client average means[r - 1]. Returns the rounds trained and the recorded outcome."""
-    from pipeline.training.stopping import convergence, should_stop
+    from pipeline.training.stopping import convergence
 
     history: list[dict] = []
     for rnd in range(1, stop.max_rounds + 1):
-        if should_stop(history, stop):
+        if convergence(history, stop)["converged"]:
             break
         history += _rows(rnd, means[rnd - 1])
     return max(r["round"] for r in history), convergence(history, stop)
@@ -124,11 +124,11 @@ def test_the_gpu_study_rule_ends_every_committed_cpu_curve_before_its_ceiling():
 
 
 def test_disabled_never_stops_early_but_still_records_the_outcome():
-    from pipeline.training.stopping import convergence, should_stop
+    from pipeline.training.stopping import convergence
 
     history = [row for rnd, m in enumerate([10.0, 8.0, 8.5, 9.0, 9.5], 1) for row in _rows(rnd, m)]
     off = _stop(enabled=False, patience=2)
-    assert not should_stop(history, off)
+    assert not convergence(history, off)["converged"]
     # no rule, no verdict (the tables judge a fixed budget's client-runs by their rounds)
     assert convergence(history, off) == {"stopped_round": 5, "best_round": 2, "converged": None}
 
@@ -157,15 +157,15 @@ def test_the_rule_reads_the_client_average_and_clients_that_evaluated():
 
 
 def test_a_late_client_s_run_counts_from_its_join():
-    from pipeline.training.stopping import convergence, should_stop
+    from pipeline.training.stopping import convergence
 
     stop = _stop(patience=1)
     before = [row for rnd in (1, 2, 3) for row in _rows(rnd, 5.0)]  # flat before the join: not a reason to stop
-    assert not should_stop(before, stop, late="SAMSum")
+    assert not convergence(before, stop, late="SAMSum")["converged"]
     joined = before + [{"round": 4, "client": "A", "val_loss": 5.0}, {"round": 4, "client": "SAMSum", "val_loss": 9.0}]
-    assert not should_stop(joined, stop, late="SAMSum")  # one round since the join
+    assert not convergence(joined, stop, late="SAMSum")["converged"]  # one round since the join
     joined += [{"round": 5, "client": "A", "val_loss": 5.0}, {"round": 5, "client": "SAMSum", "val_loss": 9.0}]
-    assert should_stop(joined, stop, late="SAMSum")
+    assert convergence(joined, stop, late="SAMSum")["converged"]
     assert convergence(joined, stop, late="SAMSum") == {"stopped_round": 5, "best_round": 4, "converged": True}
 
 
@@ -338,7 +338,7 @@ def test_a_round_missing_a_client_s_validation_loss_has_no_comparable_mean():
     patience 1 at 5 % stopped the run and admitted a late client though every client improved."""
     from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.training.stopping import convergence, mean_val_loss_by_round, should_stop
+    from pipeline.training.stopping import convergence, mean_val_loss_by_round
 
     flat = [{"round": r, "client": "A", "val_loss": 2.0} for r in (1, 2, 3)] + [
         {"round": r, "client": "B", **({"eval_failed": 1} if r == 2 else {"val_loss": 6.0})} for r in (1, 2, 3)
@@ -351,11 +351,11 @@ def test_a_round_missing_a_client_s_validation_loss_has_no_comparable_mean():
         for c, v in (("A", 2.0), ("B", 6.0))
     ]
     stop = _stop(patience=1, min_rel_improvement=0.05)
-    assert not should_stop(improving, stop) and not convergence(improving, stop)["converged"]
+    assert not convergence(improving, stop)["converged"]
     assert not new_client_joins(4, improving, "New", JoinConfig(min_rel_improvement=0.05, patience=1, max_round=9))
     # the round after it compares with the best before (round 2), here another 10 %: still learning
     improving += [{"round": 4, "client": c, "val_loss": v * 0.9**3} for c, v in (("A", 2.0), ("B", 6.0))]
-    assert not should_stop(improving, stop) and convergence(improving, stop)["best_round"] == 4
+    assert not convergence(improving, stop)["converged"] and convergence(improving, stop)["best_round"] == 4
 
 
 def test_the_projection_fits_a_run_with_a_round_without_a_client_average():

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.experiments.plans import Plan
-from pipeline.training.stopping import by_round, round_mean, should_stop
+from pipeline.training.stopping import by_round, convergence, round_mean
 
 log = logging.getLogger("fedmeet.train")
 ROUND_METRIC = "bytes_sent"  # logged in every round of every run (0 without a server): the rounds a run holds
@@ -51,15 +51,16 @@ def training_rounds(
     plan: Plan, recorder, clients: list[str], ckpt: dict | None, history: list[dict], logger, late: str | None = None
 ) -> Iterator[int]:
     """The rounds a run trains (the server's loop and the serverless one): after the round checkpoint ``ckpt`` (None:
-    from round 1) to train.rounds, unless train.stop ends the run first (checked before each round: a resumed run too;
-    ``late``: stopping.should_stop's). The caller's loop body extends ``history`` by its round's rows and checkpoints
-    the round; then the round, timed with its checkpoint, goes to ``recorder``."""
+    from round 1) to train.rounds, unless train.stop ends the run first (stopping.convergence's ``converged``, None
+    without the rule; checked before each round, so a resumed run reads the same answer from its restored history;
+    ``late``: convergence's). The caller's loop body extends ``history`` by its round's rows and checkpoints the
+    round; then the round, timed with its checkpoint, goes to ``recorder``."""
     start = int(ckpt["round"]) + 1 if ckpt is not None else 1
     if ckpt is not None:
         logger.info("%s: resuming after round %d", plan.experiment, start - 1)
     recorder.started(plan, clients, start)
     for rnd in range(start, plan.train.rounds + 1):
-        if should_stop(history, plan.train.stop, late):
+        if convergence(history, plan.train.stop, late)["converged"]:
             logger.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
             return
         t0, done = time.perf_counter(), len(history)

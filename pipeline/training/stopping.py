@@ -52,12 +52,6 @@ def mean_val_loss_by_round(
     return [(r, round_mean(rows)) for r, rows in rounds if since <= r and (before is None or r < before)]
 
 
-def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:
-    """Whether a run with ``train.stop`` enabled ends after the rounds of ``history`` (checked before each round,
-    so a resumed run reads the same answer from its restored history)."""
-    return stop.enabled and convergence(history, stop, late)["converged"]
-
-
 def convergence(history: list[dict[str, Any]], stop, late: str | None = None) -> dict[str, Any]:
     """What a finished run records: the round it stopped at, its best round (lowest client-average validation loss,
     the first of equals) and whether it converged: the rule of ``stop`` holds at its last round (None without the
