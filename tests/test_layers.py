@@ -264,7 +264,11 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # The twenty-fourth session: -2 from structure (comparisons.compare one walk over the shared seeds; an unreachable
 # base != config test); a pass over the other results modules found nothing to remove without changing outputs
 # (tables' aggregation as one groupby moves the last digits of scores_aggregated.csv).
-PACKAGE_LINE_CEILING = 14_684
+# The twenty-fifth session: -24 from structure (the set engine's deliveries made, started and stepped in one loop and
+# a member's thread started when made; stopping.should_stop folded into convergence; one packing path for the two
+# paths' logits; main_table's one walk; run_server's rows in one pass; ...; outputs identical), +2 for evaluation's
+# generate calls of runs whose batch has one length (no padded rows: the GPU study's sets compute 2,440, not 3,210).
+PACKAGE_LINE_CEILING = 14_660
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
