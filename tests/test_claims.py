@@ -418,6 +418,8 @@ def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_gives_numbers_only
     assert "AdaCentralized − FedAvg +2.30 [+0.20, +4.40], 2 seeds: numbers only (paper" in line
     assert "The lead holds against AdaSingle (Holm p = 0.001) only." in text
     assert "Per client its lead holds vs AdaSingle on no client; vs FedAvg not tested (2 seeds)." in text
+    one = claims.results_text(table.assign(n_seeds=[3, 1]), cfg=ReportConfig(smoke=False, claim_min_seeds=3))
+    assert "+4.40], 1 seed: numbers only (paper" in one and "vs FedAvg not tested (1 seed)." in one  # singular
     # at 2 seeds a claim is allowed: both leads hold
     text = claims.results_text(table, cfg=ReportConfig(smoke=False, claim_min_seeds=2))
     assert "- **Pooling the data helps** (Holm p ≤ 0.010 each)" in text and "numbers only" not in text
@@ -674,7 +676,7 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
         line.startswith("- **Federation, as run here, hurts**") and "−1.87 [−2.55, −1.15]" in line for line in lines
     )
     assert any(line.startswith("- **Selectivity helps**") for line in lines)
-    assert "3 seed(s) and 244 test examples a comparison" in lines[0]
+    assert "3 seeds and 244 test examples a comparison" in lines[0]
     # a loss that holds is named even beside a gain that holds (docs/statistics.md: it is named a loss)
     gain = _row(method_a="fedselectkd", method_b="single", mean_diff=1.2, ci_low=0.5, ci_high=1.9, significant=True)
     lines = claims.results_text(_scaled([*VERDICT_ROWS, gain], 3, 244)).splitlines()
@@ -683,7 +685,7 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
 
 @pytest.mark.parametrize(
     "smoke, seeds, examples, why",
-    [(True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")],
+    [(True, 3, 244, "smoke run"), (False, 1, 244, "1 seed and 244"), (False, 3, 24, "24 test examples")],
 )
 def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
     text = claims.results_text(
