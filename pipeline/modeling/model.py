@@ -262,19 +262,20 @@ class AdapterSummarizer(nn.Module):
         return logits + bias.to(logits.device) if bias is not None else logits
 
     def path_logits(
-        self, prefix: Prefix, path: str | AdapterStack, masks, rows: torch.Tensor | None = None
+        self, prefix: Prefix, path: str | AdapterStack, masks, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Top k layers with ``path``'s adapters under ``masks`` (:meth:`top_masks`'s) + LM head on a prefix. The LM
         head (n x V, the dominant cost) runs only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or with
-        ``rows`` (the target tokens' indices in the flattened [B * T], on the device) those packed rows, with no host
-        sync."""
+        ``labels`` (the prefix's [B, T] on the host) the packed rows of its real target tokens (row-major), with no
+        host sync (their indices are read on the host)."""
         self_mask, cross_mask = masks
         h = prefix.decoder_hidden
         with self.use_path(path):
             for layer in self._top_layers:
                 h = layer(h, self_mask, prefix.encoder_hidden, encoder_attention_mask=cross_mask)
                 h = h[0] if isinstance(h, tuple) else h
-        if rows is not None:
+        if labels is not None:
+            rows = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1).to(h.device, non_blocking=True)
             return self._head(h.reshape(-1, h.shape[-1]).index_select(0, rows))
         mask = prefix.target_mask.to(h.device, torch.bool)
         if bool(mask.all()):
@@ -290,10 +291,10 @@ class AdapterSummarizer(nn.Module):
         tokens (row-major)."""
         prefix = prefix if prefix is not None else self.compute_prefix(batch)
         masks = self.top_masks(prefix, batch.attention_mask)
-        rows = (batch.labels != IGNORE_INDEX).flatten().nonzero().squeeze(1).to(self.device) if packed else None
-        logits_local = self.path_logits(prefix, "local", masks, rows)
+        labels = batch.labels if packed else None
+        logits_local = self.path_logits(prefix, "local", masks, labels)
         with torch.no_grad():
-            return logits_local, self.path_logits(prefix, "global", masks, rows) if teacher else None
+            return logits_local, self.path_logits(prefix, "global", masks, labels) if teacher else None
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:

@@ -127,21 +127,16 @@ def stacked_logits(
     ``bf16``: the trainer's choice on CUDA), the teacher's for the first ``taught`` runs (under no_grad, float32: a
     bf16 teacher moves the gate: reports/bench/engine.md, section 3). Rows and masks are read on the host (no sync)."""
     device = prefix.decoder_hidden.device
-
-    def packed(stack: AdapterStack, prefix: Prefix, labels: torch.Tensor, masks) -> torch.Tensor:
-        rows = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1).to(device, non_blocking=True)
-        return model.path_logits(prefix, stack, masks, rows=rows)
-
     masks = model.top_masks(prefix, source_mask)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        student = packed(local, prefix, labels, masks)
+        student = model.path_logits(prefix, local, masks, labels)
     if teacher is None:
         return student, None
     rows = labels.shape[0] // local.runs * taught  # the taught runs' blocks lead (every run's: all rows, views)
     taught_prefix = Prefix(*(t[:rows] for t in vars(prefix).values()))
     taught_masks = masks if taught == local.runs else model.top_masks(taught_prefix, source_mask[:rows])
     with torch.no_grad():
-        return student, packed(teacher, taught_prefix, labels[:rows], taught_masks)
+        return student, model.path_logits(taught_prefix, teacher, taught_masks, labels[:rows])
 
 
 def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Tensor, torch.Tensor, list[Batch]]:
