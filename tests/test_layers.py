@@ -268,8 +268,10 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # a member's thread started when made; stopping.should_stop folded into convergence; one packing path for the two
 # paths' logits; main_table's one walk; run_server's rows in one pass; ...; outputs identical), +2 for evaluation's
 # generate calls of runs whose batch has one length (no padded rows: the GPU study's sets compute 2,440, not 3,210).
-# The twenty-sixth session: +4 for the claims' seed counts in the singular ("1 seed: numbers only", not "1 seeds").
-PACKAGE_LINE_CEILING = 14_664
+# The twenty-sixth session: +4 for the claims' seed counts in the singular ("1 seed: numbers only", not "1 seeds"),
+# -4 for path_logits packing the rows of the labels it is given (one expression where forward_two_paths and the
+# engine each had theirs).
+PACKAGE_LINE_CEILING = 14_660
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
