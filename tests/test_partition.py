@@ -639,6 +639,19 @@ def test_a_partition_file_without_its_clients_splits_is_one_line_naming_it(tmp_p
     assert str(err.value) == f"{path}: no 'clients' mapping of each client to its train, valid and test ids"
 
 
+def test_a_partition_file_of_no_clients_is_one_line_naming_it(tmp_path):
+    """``{"clients": {}}`` (a hand edit) passed: `single` trained and recorded a run of no client, `centralized`
+    crashed in pandas ("No objects to concatenate")."""
+    from pipeline.common.schema import DataError
+    from pipeline.training.client_data import read_partition
+
+    path = tmp_path / "seed0.json"
+    path.write_text(json.dumps({"clients": {}}))
+    with pytest.raises(DataError) as err:
+        read_partition(path)
+    assert str(err.value) == f"{path}: no 'clients' mapping of each client to its train, valid and test ids"
+
+
 @pytest.mark.parametrize(("split", "ids"), [("train", "a1"), ("valid", 3), ("test", {"a1": 1})])
 def test_a_split_that_is_no_list_of_ids_is_one_line_naming_the_client_and_split(tmp_path, split, ids):
     """A split that is text or a number (a hand edit): text reached the readers as its characters (a misleading

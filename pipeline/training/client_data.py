@@ -35,7 +35,7 @@ def read_partition(path: str | Path, client: str | None = None) -> dict[str, Any
     p = Path(path)
     raw = read_json(p, "partition file (stage `partition`)")
     clients = raw.get("clients")
-    if not isinstance(clients, dict) or not all(  # test ids are read where present
+    if not (isinstance(clients, dict) and clients) or not all(  # none: no run; test ids read where present
         isinstance(s, dict) and {"train", "valid"} <= s.keys() for s in clients.values()
     ):
         raise DataError(f"{p}: no 'clients' mapping of each client to its train, valid and test ids")
