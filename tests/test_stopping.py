@@ -424,3 +424,22 @@ def test_a_clients_recorded_best_round_is_the_round_whose_adapter_it_kept_when_t
     assert (clients["A"]["best_round"], clients["A"]["best_val_loss"]) == (2, None)
     assert clients["A"]["kd_fraction_to_best"] == pytest.approx(0.5)
     assert (clients["B"]["best_round"], clients["B"]["best_val_loss"]) == (3, 3.0)
+
+
+def test_the_mean_best_validation_loss_is_not_the_others_mean_where_a_clients_best_is_unknown(ws):
+    """metrics.json's mean_best_val_loss is the client average of the best validation losses: where one client's is
+    unknown (NaN in every round, or its best round's reply lost) the others' mean would stand in for it (a run whose
+    client diverged read as good as its healthy clients), as the stop rule's client average refuses. By hand: A NaN
+    in both rounds, B best 3.0: no mean; both known (A 2.0, B 3.0): 2.5."""
+    from pipeline.experiments.plans import read_plan
+    from pipeline.training.summary import summarize
+
+    plan = read_plan(write_plan("mean-best", "fedselectkd", rounds=2))
+    a_losses = {"nan": [float("nan")] * 2, "known": [2.0, 2.5]}
+    for case, expected in (("nan", None), ("known", 2.5)):
+        history = []
+        for r in (1, 2):
+            a_best = 0 if case == "nan" else 1
+            history.append({"round": r, "client": "A", "val_loss": a_losses[case][r - 1], "best_round": a_best})
+            history.append({"round": r, "client": "B", "val_loss": [3.0, 3.5][r - 1], "best_round": 1})
+        assert summarize(plan, history, [])["mean_best_val_loss"] == expected, case

@@ -84,7 +84,7 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         # train.stop: the round it stopped at, its best round by client-average validation loss, converged or not
         **convergence(history, plan.train.stop, plan.train.new_client if plan.spec.new_client == "post" else None),
         "clients": clients,
-        "mean_best_val_loss": sum(vals) / len(vals) if vals else None,
+        "mean_best_val_loss": sum(vals) / len(vals) if 0 < len(vals) == len(clients) else None,  # one unknown: none
         "bytes_sent": sum(c["bytes_sent"] for c in clients.values()),
         "bytes_received": sum(c["bytes_received"] for c in clients.values()),
         "seconds_per_round": sum(round_seconds) / len(round_seconds) if round_seconds else None,
