@@ -78,9 +78,8 @@ def secure_aggregator(
             raise ValueError(problem)
         if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
             return SecureAggregator(plan.privacy.secagg, 1, timeout, clipped_bits=True)
-        # The largest FedAvg weight a client can report (its train size, capped with train.weight_by: trained):
-        # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.SecureAggregator.scale); a looser
-        # one scales every weight down and the aggregate's error up (16 trained of 593: ~37x the bound's).
+        # The largest FedAvg weight a client can report (its train size, capped under train.weight_by: trained; a
+        # looser one scales Flower's integer weights down and the error up: pipeline.privacy.secure_aggregation).
         reported = [sizes.get(c, {}).get("num-train") for c in clients] if sizes else [None]
         if None in reported:
             reported = [len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values()]
