@@ -166,6 +166,32 @@ def test_a_reply_whose_int8_scale_is_not_one_finite_number_is_undecodable(ws, sc
     names(err.value, f"{next(iter(sent))}.int8_scale")
 
 
+def test_a_reply_whose_bytes_are_not_the_arrays_it_declares_is_undecodable(ws):
+    """The strategy aggregates what an Array's bytes hold (np.load), not the shape it declares: one declaring the
+    adapter's shape but holding one row was broadcast over every row of FedAvg's mean (or, its reply first, numpy's
+    ValueError ended the server's run); truncated bytes or another serialisation raised there too."""
+    from flwr.app import Array
+
+    from pipeline.federation.protocol import decode_reply
+    from pipeline.training.shared_model import initial_adapter_state
+
+    plan = _plan("fp32", False)
+    sent = initial_adapter_state(plan)
+    key = next(iter(sent))
+    shape, one_row = tuple(sent[key].shape), Array(sent[key][:1].numpy())
+    truncated = Array(sent[key].numpy())
+    for odd in (
+        Array(dtype=one_row.dtype, shape=shape, stype=one_row.stype, data=one_row.data),
+        Array(dtype=truncated.dtype, shape=shape, stype=truncated.stype, data=truncated.data[:-4]),
+        Array(dtype=truncated.dtype, shape=shape, stype="torch.Tensor", data=truncated.data),
+    ):
+        record = ArrayRecord.from_torch_state_dict(sent)
+        record[key] = odd
+        with pytest.raises(ValueError) as err:
+            decode_reply(record, plan, sent)
+        names(err.value, key)
+
+
 def test_payload_bytes_count_every_array_record_and_nothing_else(ws):
     from flwr.app import Array
 
