@@ -170,10 +170,11 @@ def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor])
     if odd := sorted(k for k in shapes.keys() | adapter.keys() if shapes.get(k) != adapter.get(k)):
         raise ValueError(f"its arrays are not the adapter's (other keys or shapes): {odd[:4]}")
     delta = delta_encoded(plan)
+    # in the global's key order: client-level DP's clipping takes the update position by position against it
     if not delta and all(d == np.float32 and not k.endswith(SCALE_SUFFIX) for k, (_, d) in held.items()):
-        return record
+        return record if list(record) == list(sent) else ArrayRecord({k: record[k] for k in sent})
     decoded = decode_state(record.to_torch_state_dict(), reference=sent if delta else None)
-    return ArrayRecord.from_torch_state_dict(decoded)
+    return ArrayRecord.from_torch_state_dict({k: decoded[k] for k in sent})
 
 
 def npy_header(blob: bytes) -> tuple[tuple[int, ...], np.dtype]:
