@@ -179,6 +179,26 @@ def test_server_side_clipping_bounds_each_update_and_weighs_clients_equally():
     assert strategy.strategy.weighted_by_key == "num-examples"  # restored for the evaluate replies
 
 
+def test_a_reply_with_its_arrays_in_another_order_is_clipped_key_by_key():
+    """An ArrayRecord is a mapping (FedAvg averages it key by key; the key checks compare sets), but server-side
+    clipping took the decoded reply's update position by position against the global: with its keys in another order,
+    W_i[b] - W[a] and W_i[a] - W[b] (norm 4.4 for an update of norm 3), clipped and written back, mixed the tensors."""
+    from flwr.app import ArrayRecord
+
+    from pipeline.federation.protocol import decode_reply
+    from tests.test_federated import _reply as _arrays_reply
+
+    plan = SimpleNamespace(train=SimpleNamespace(transfer_delta=False, transfer_dtype="fp32"))
+    sent = {"a": torch.zeros(2), "b": torch.ones(2)}
+    local = {"b": np.array([1.0, 4.0], dtype=np.float32), "a": np.array([0.0, 0.0], dtype=np.float32)}  # b moves 3
+    strategy, _ = _wrapped(1, ArrayRecord.from_torch_state_dict(sent), noise_multiplier=0.0, clipping_norm=3.0)
+    reply = _arrays_reply(local, {"num-examples": 1, "num-steps": 1})
+    reply.content["arrays"] = decode_reply(reply.content["arrays"], plan, sent)
+    assert strategy.clipped(reply, ArrayRecord.from_torch_state_dict(sent), 3.0) == (0, pytest.approx(3.0))
+    arrays, _ = strategy.aggregate_train(1, [reply])  # within C: the reply itself
+    assert {k: a.numpy().tolist() for k, a in arrays.items()} == {"a": [0.0, 0.0], "b": [1.0, 4.0]}
+
+
 def test_client_side_mod_clips_the_reply_and_marks_it(ws):
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM

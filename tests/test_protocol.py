@@ -149,6 +149,49 @@ def test_the_server_decodes_the_clients_adapter_within_the_bound_of_what_was_enc
                 torch.testing.assert_close(encoded[k].float(), diff[k] if delta else local[k], rtol=2**-11, atol=2**-25)
 
 
+@pytest.mark.parametrize("scale", [torch.zeros(3), torch.zeros(0), torch.tensor(float("nan"))])
+def test_a_reply_whose_int8_scale_is_not_one_finite_number_is_undecodable(ws, scale):
+    """What the server catches (ValueError: that client's failure for the round): a scale of several or no values
+    raised torch's RuntimeError in reshape, ending the server's run; a NaN one decoded to NaN weights, which FedAvg
+    averaged into every client's global."""
+    from pipeline.federation.protocol import decode_reply
+    from pipeline.training.shared_model import initial_adapter_state
+
+    plan = _plan("int8", False)
+    sent = initial_adapter_state(plan)
+    encoded = {k: torch.zeros(v.shape, dtype=torch.int8) for k, v in sent.items()}
+    encoded |= {k + ".int8_scale": scale for k in sent}
+    with pytest.raises(ValueError) as err:
+        decode_reply(ArrayRecord.from_torch_state_dict(encoded), plan, sent)
+    names(err.value, f"{next(iter(sent))}.int8_scale")
+
+
+def test_a_reply_whose_bytes_are_not_the_arrays_it_declares_is_undecodable(ws):
+    """The strategy aggregates what an Array's bytes hold (np.load), not the shape it declares: one declaring the
+    adapter's shape but holding one row was broadcast over every row of FedAvg's mean (or, its reply first, numpy's
+    ValueError ended the server's run); truncated bytes or another serialisation raised there too."""
+    from flwr.app import Array
+
+    from pipeline.federation.protocol import decode_reply
+    from pipeline.training.shared_model import initial_adapter_state
+
+    plan = _plan("fp32", False)
+    sent = initial_adapter_state(plan)
+    key = next(iter(sent))
+    shape, one_row = tuple(sent[key].shape), Array(sent[key][:1].numpy())
+    truncated = Array(sent[key].numpy())
+    for odd in (
+        Array(dtype=one_row.dtype, shape=shape, stype=one_row.stype, data=one_row.data),
+        Array(dtype=truncated.dtype, shape=shape, stype=truncated.stype, data=truncated.data[:-4]),
+        Array(dtype=truncated.dtype, shape=shape, stype="torch.Tensor", data=truncated.data),
+    ):
+        record = ArrayRecord.from_torch_state_dict(sent)
+        record[key] = odd
+        with pytest.raises(ValueError) as err:
+            decode_reply(record, plan, sent)
+        names(err.value, key)
+
+
 def test_payload_bytes_count_every_array_record_and_nothing_else(ws):
     from flwr.app import Array
 

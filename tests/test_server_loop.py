@@ -2076,6 +2076,22 @@ def test_a_secure_round_needs_two_existing_clients_in_every_sum_and_two_are_enou
             _secure_aggregator(plan, clients, None, 5.0)
 
 
+@pytest.mark.parametrize("weight_by, cap, largest", [("trained", 2, 2), ("trained", None, 6), ("full", 2, 6)])
+def test_secure_aggregations_integer_weights_follow_the_largest_weight_a_client_can_report(ws, weight_by, cap, largest):
+    """Flower's integer weight of a client is n_i (Q // max_weight); under train.weight_by trained a client reports
+    at most max_train_examples_per_client. Sized by the largest train split instead (6 here; in params.yaml's CPU
+    profile QMSum's 593 against 16 trained each), equal weights got Q / 3 here (Q / 37 there): the error bound of
+    the SecAgg+ mean (aggregation_error_bound) was 3x (37x) docs/privacy.md's ~2c/Q + 10uc for equal weights, and
+    the measured error of 3 adapter uploads 1.1e-4 instead of 3.1e-6."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
+
+    name = f"loop-secure-weights-{weight_by}-{cap}"
+    plan = load_plan(_secure_plan(name, weight_by=weight_by, max_train_examples_per_client=cap))
+    secure = _secure_aggregator(plan, ["Academic", "Committee", "Product"], None, 5.0)
+    assert secure.scale == plan.privacy.secagg.quantization_range // largest
+
+
 def test_a_hand_written_plan_asking_secure_aggregation_of_a_server_that_does_more_than_average_is_refused(ws):
     """The plan stage refuses it already; a plan file edited by hand is refused again by the server, naming the
     file and the reason."""

@@ -76,6 +76,9 @@ def decode_state(
         if value.dtype == torch.int8:
             if key not in scales:
                 raise ValueError(f"encoded state: int8 tensor {key!r} has no {key + SCALE_SUFFIX!r}")
+            # quantize_int8's is one finite number: another raised torch's RuntimeError here, or NaN weights
+            if scales[key].numel() != 1 or not torch.isfinite(scales[key]).all():
+                raise ValueError(f"encoded state: {key + SCALE_SUFFIX!r} is not one finite number: {scales[key]}")
             x = value.to(torch.float32) * scales[key].reshape(()).to(torch.float32)
         elif value.dtype in (torch.float16, torch.float32):
             if key in scales:

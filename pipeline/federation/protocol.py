@@ -3,13 +3,16 @@ metrics a reply holds, the plan a message refers to, and the adapters as they go
 
 from __future__ import annotations
 
+import io
 import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.constant import SType
 from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
@@ -154,17 +157,38 @@ def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str,
 def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> ArrayRecord:
     """Server side: a reply's float32 local adapter as the strategy aggregates it; ``sent`` = this round's decoded
     global (as the client decoded it, bit for bit). Float32 arrays without a delta are that already (decoding and
-    encoding again gives their bytes back): the record is not read. Arrays other than the adapter's (by key and
-    shape) raise ValueError naming them."""
+    encoding again gives their bytes back): only its .npy headers are read. Arrays other than the adapter's (by key
+    and the shape their bytes hold) raise ValueError naming them."""
+    held = {}  # what each Array's bytes hold, which the strategy reads (np.load), not the shape and dtype it declares
+    for k, a in record.items():
+        try:
+            held[k] = npy_header(a.data if a.stype == SType.NUMPY else b"")
+        except ValueError as exc:
+            raise ValueError(f"its array {k!r} is not the .npy its bytes should be: {exc}") from None
     adapter = {k: tuple(v.shape) for k, v in sent.items()}
-    shapes = {k: tuple(a.shape) for k, a in record.items() if not k.endswith(SCALE_SUFFIX)}
+    shapes = {k: shape for k, (shape, _) in held.items() if not k.endswith(SCALE_SUFFIX)}
     if odd := sorted(k for k in shapes.keys() | adapter.keys() if shapes.get(k) != adapter.get(k)):
         raise ValueError(f"its arrays are not the adapter's (other keys or shapes): {odd[:4]}")
     delta = delta_encoded(plan)
-    if not delta and all(a.dtype == "float32" and not k.endswith(SCALE_SUFFIX) for k, a in record.items()):
-        return record
+    # in the global's key order: client-level DP's clipping takes the update position by position against it
+    if not delta and all(d == np.float32 and not k.endswith(SCALE_SUFFIX) for k, (_, d) in held.items()):
+        return record if list(record) == list(sent) else ArrayRecord({k: record[k] for k in sent})
     decoded = decode_state(record.to_torch_state_dict(), reference=sent if delta else None)
-    return ArrayRecord.from_torch_state_dict(decoded)
+    return ArrayRecord.from_torch_state_dict({k: decoded[k] for k in sent})
+
+
+def npy_header(blob: bytes) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype np.load gives ``blob`` (or its ValueError), from the .npy header alone (it may declare
+    terabytes), checked to be followed by exactly that many bytes: np.load of an integer one cannot fail."""
+    f = io.BytesIO(blob)
+    version = np.lib.format.read_magic(f)
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        raise ValueError(f"not a .npy format version np.load reads: {version}")
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(f)
+    if len(blob) != f.tell() + math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{len(blob) - f.tell()} data bytes for {dtype}{list(shape)}")
+    return shape, dtype
 
 
 def replies_by_node(grid: Grid, messages: list[Message], timeout: float | None) -> dict[int, Message]:

@@ -78,12 +78,13 @@ def secure_aggregator(
             raise ValueError(problem)
         if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
             return SecureAggregator(plan.privacy.secagg, 1, timeout, clipped_bits=True)
-        # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
-        # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.SecureAggregator.scale).
+        # The largest FedAvg weight a client can report (its train size, capped under train.weight_by: trained; a
+        # looser one scales Flower's integer weights down and the error up: pipeline.privacy.secure_aggregation).
         reported = [sizes.get(c, {}).get("num-train") for c in clients] if sizes else [None]
         if None in reported:
             reported = [len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values()]
-        return SecureAggregator(plan.privacy.secagg, max(reported), timeout)
+        cap = plan.train.max_train_examples_per_client if plan.train.weight_by == "trained" else None
+        return SecureAggregator(plan.privacy.secagg, max(min(n, cap or n) for n in reported), timeout)
     except ValueError as exc:
         raise ConfigError(f"{plan.source or plan.experiment}: {exc}") from None
 

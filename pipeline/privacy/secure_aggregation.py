@@ -4,9 +4,7 @@ turns its ``FitIns`` into the Message-API train call of every other round (:func
 
 from __future__ import annotations
 
-import io
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +34,7 @@ from pipeline.federation.protocol import (
     SECAGG_CLIPPED_KEY,
     GridView,
     error_line,
+    npy_header,
     payload_bytes,
     replies_by_node,
 )
@@ -144,20 +143,6 @@ def _wire_bytes(content: RecordDict) -> int:
     return payload_bytes(content) + sum(len(b) for b in values if isinstance(b, bytes))
 
 
-def _npy_header(blob: bytes) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype np.load gives ``blob`` (or its ValueError), from the .npy header alone (it may declare
-    terabytes), checked to be followed by exactly that many bytes: np.load of an integer one cannot fail."""
-    f = io.BytesIO(blob)
-    version = np.lib.format.read_magic(f)
-    if version not in ((1, 0), (2, 0), (3, 0)):
-        raise ValueError(f"not a .npy format version np.load reads: {version}")
-    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, _, dtype = read(f)
-    if len(blob) != f.tell() + math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"{len(blob) - f.tell()} data bytes for {dtype}{list(shape)}")
-    return shape, dtype
-
-
 class _ObservedGrid(GridView):
     """Passes the workflow's messages on, noting per node what each stage sent, received and failed; a reply Flower's
     workflow cannot take (it would raise inside it, ending the run) is that client's failure in its stage, to Flower
@@ -191,7 +176,7 @@ class _ObservedGrid(GridView):
             if not all(isinstance(b, bytes) for b in blobs):
                 return f"it holds a {stage} value that is not bytes"
             if stage == Stage.COLLECT_MASKED_VECTORS:
-                heads = [_npy_header(b) for b in blobs]
+                heads = [npy_header(b) for b in blobs]
                 if [shape for shape, _ in heads] != self.vector or any(d.kind not in "iu" for _, d in heads):
                     got = [f"{d}{list(shape)}" for shape, d in heads[:4]]
                     return f"its masked vector {got} is not integer arrays of the shapes {self.vector[:4]}"
