@@ -654,3 +654,17 @@ def test_hard_kd_minus_selectkd_is_taken_over_the_seeds_both_evaluated(tmp_path)
     )
     out = Analysis.hardkd(analysis)
     assert out["hardkd_minus_selectkd_avg_rouge"] == {"Product": pytest.approx(18.0 - 20.0)}
+
+
+@pytest.mark.parametrize(("value", "shown"), [(None, "None"), ("n/a", "'n/a'"), ([30.0], r"\[30\.0\]")])
+def test_a_score_that_is_no_number_is_one_error_naming_the_file_client_and_metric(tmp_path, value, shown):
+    # a hand-edited or imported metrics.json whose ROUGE is null: one DataError line for the report and analyze
+    # stages (pipeline.common.cli), not float()'s TypeError naming no file
+    from pipeline.common.schema import DataError
+    from pipeline.results.readers import read_eval_metrics
+
+    path = tmp_path / "metrics.json"
+    scores = {"rouge1": 30.0, "rouge2": value, "rougeL": 20.0, "rougeLsum": 29.0, "avg_rouge": 23.0, "n": 5}
+    path.write_text(json.dumps({"clients": {"Product": scores}}))
+    with pytest.raises(DataError, match=rf"metrics\.json: client 'Product' has rouge2 = {shown}, not a number$"):
+        read_eval_metrics(path)
