@@ -623,3 +623,48 @@ def test_the_tau_sweep_figure_says_dotted_only_where_a_dotted_line_is_drawn(monk
     kd_analysis.plot_tau_sweep(sweep, tau_main, tmp_path / "tau_sweep.png")
     assert drawn["dotted"] == (len(clients) if tau_main is not None else 0)
     assert ("dotted" in drawn["title"]) == (drawn["dotted"] > 0), drawn
+
+
+def test_hard_kd_minus_selectkd_is_taken_over_the_seeds_both_evaluated(tmp_path):
+    """Both methods planned seeds 0 and 1, but hard KD's seed 1 has no evaluation yet (reported missing): the
+    difference is over seed 0, the one both have scores for (18 - 20), not hard KD's seed 0 minus SelectKD's two-seed
+    mean (18 - 22)."""
+    from types import SimpleNamespace
+
+    from pipeline.experiments.entries import Experiment
+    from pipeline.results.analysis import Analysis
+
+    plan = (
+        ("sel_s0", "fedselectkd", 0),
+        ("sel_s1", "fedselectkd", 1),
+        ("hard_s0", "hardkd", 0),
+        ("hard_s1", "hardkd", 1),
+    )
+    runs = [
+        Experiment(name=n, method=m, partition=f"domain/seed{s}", seed=s, tau=5.0 if m == "fedselectkd" else None)
+        for n, m, s in plan
+    ]
+    rouge = {"sel_s0": 20.0, "sel_s1": 24.0, "hard_s0": 18.0}  # hard_s1: not evaluated
+    metrics = ("rouge1", "rouge2", "rougeL", "avg_rouge")
+    analysis = SimpleNamespace(
+        experiments=runs,
+        main=runs[:2],
+        figures=tmp_path,
+        scores=lambda e, needed_for: {"Product": dict.fromkeys(metrics, rouge[e.name])} if e.name in rouge else None,
+    )
+    out = Analysis.hardkd(analysis)
+    assert out["hardkd_minus_selectkd_avg_rouge"] == {"Product": pytest.approx(18.0 - 20.0)}
+
+
+@pytest.mark.parametrize(("value", "shown"), [(None, "None"), ("n/a", "'n/a'"), ([30.0], r"\[30\.0\]")])
+def test_a_score_that_is_no_number_is_one_error_naming_the_file_client_and_metric(tmp_path, value, shown):
+    # a hand-edited or imported metrics.json whose ROUGE is null: one DataError line for the report and analyze
+    # stages (pipeline.common.cli), not float()'s TypeError naming no file
+    from pipeline.common.schema import DataError
+    from pipeline.results.readers import read_eval_metrics
+
+    path = tmp_path / "metrics.json"
+    scores = {"rouge1": 30.0, "rouge2": value, "rougeL": 20.0, "rougeLsum": 29.0, "avg_rouge": 23.0, "n": 5}
+    path.write_text(json.dumps({"clients": {"Product": scores}}))
+    with pytest.raises(DataError, match=rf"metrics\.json: client 'Product' has rouge2 = {shown}, not a number$"):
+        read_eval_metrics(path)

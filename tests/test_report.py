@@ -437,6 +437,20 @@ def test_timing_table_states_the_span_from_the_first_start_to_the_last_finish(tm
     assert re.search(r"\b60 s \(1\.0 min\)", timing_markdown(timing))
 
 
+def test_the_main_table_calls_missing_only_the_seeds_never_evaluated(project):
+    """The main table is over the seeds every method has (0, 1 here: FedAvg never ran seed 2); SelectKD's seed 2 is
+    evaluated, left out of the table for FedAvg's sake, and not 'missing'."""
+    from pipeline.results.outputs import write_tables
+    from pipeline.results.tables import Made
+
+    root, params = project
+    write_tables(report_inputs(params | {"report": {"expected_seeds": [0, 1, 2]}}), root / "reports", Made())
+    lines = (root / "reports/tables/main_bart-large.md").read_text().splitlines()
+    fedavg, selectkd = (next(x for x in lines if x.startswith(f"| {m} ")) for m in ("AdaFedAvg", "AdaFedSelectKD"))
+    assert fedavg.split("|")[-2].strip() == "2 (0,1), missing 2"
+    assert selectkd.split("|")[-2].strip() == "2 (0,1) ↗ 3/3"  # its convergence mark, no 'missing 2'
+
+
 def test_the_main_table_uses_the_seeds_every_method_has():
     from pipeline.results.outputs import shared_seeds
 

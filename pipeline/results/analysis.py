@@ -110,7 +110,7 @@ class Analysis:
 
     def hardkd(self) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds, and their difference
-        over the runs (partition, seed) both trained: equal footing, another seed's luck is no property of a method."""
+        over the runs (partition, seed) both evaluated: equal footing, no seed's luck on one side."""
         main_parts = {e.partition for e in self.main}
         hard = [e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)]
         runs = {
@@ -119,7 +119,8 @@ class Analysis:
         }
         comparison = {m: kd_analysis.seed_means([(e.name, s) for e, s in r]) for m, r in runs.items()}
         kd_analysis.plot_hardkd(comparison, self.figures / "hardkd_vs_selectkd.png")
-        both = set.intersection(*({(e.partition, e.seed) for e, _ in r} for r in runs.values()))
+        # the runs both evaluated: a planned run without scores (reported missing) would leave its seed on one side
+        both = set.intersection(*({(e.partition, e.seed) for e, s in r if s is not None} for r in runs.values()))
         hard, select = (
             kd_analysis.seed_means([(e.name, s) for e, s in runs[m] if (e.partition, e.seed) in both])
             for m in (HARDKD, SELECTKD)

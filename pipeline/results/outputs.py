@@ -62,7 +62,11 @@ def write_tables(
         # the seeds every main method has, so no method's mean is over seeds another lacks
         seeds = shared_seeds(scores[(scores["study"] == "main") & (scores["backbone"] == backbone)])
         kept = scores[(scores["study"] != "main") | scores["seed"].isin(seeds)] if seeds else scores
-        table = tables.main_table(tables.aggregate(kept, inp), backbone, inp)  # main_table reads main rows only
+        shown = tables.aggregate(kept, inp)
+        # a seed left out because another method lacks it is not missing: the missing seeds are the unevaluated ones
+        keys = ["study", "label", "backbone", "client"]
+        missing = agg.set_index(keys)["missing_seeds"].reindex(pd.MultiIndex.from_frame(shown[keys]))
+        table = tables.main_table(shown.assign(missing_seeds=missing.to_numpy()), backbone, inp)  # main rows only
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
         stem = tables_dir / f"main_{slug}"
         note = (
