@@ -684,3 +684,19 @@ def test_quantity_skew_skews_sizes_not_domains():
         assert abs(train.count("Academic") / len(train) - 0.6) < 0.08
     stats = partition_stats(part, pool, "quantity", 0)
     assert stats["js_divergence"]["mean_off_diagonal"] < 0.02
+
+
+def test_a_negative_seed_on_the_command_line_is_one_usage_error(tmp_path, monkeypatch):
+    """numpy's generators refuse a negative seed: it was a 'ValueError: expected non-negative integer' traceback."""
+    from tests.reliability import run_inprocess
+
+    monkeypatch.chdir(tmp_path)  # a stage that ran would write its timing record to ./reports/timing
+
+    EXAMPLES.to_parquet(tmp_path / "examples.parquet", index=False)
+    args = ["--scheme", "iid", "--seed", "-1", "--params", str(tmp_path / "params.yaml")]
+    (tmp_path / "params.yaml").write_text("partition: {seeds: [0]}\n")
+    args += ["--examples", str(tmp_path / "examples.parquet"), "--out-dir", str(tmp_path / "parts")]
+    outcome = run_inprocess(main, args + ["--report-dir", str(tmp_path / "rep")])
+    assert outcome.status == 2 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert outcome.lines == ["error: --seed -1 is out of range; allowed: >= 0 (as partition.seeds)"], outcome.stderr
+    assert not (tmp_path / "parts").exists() and not (tmp_path / "reports").exists()
