@@ -395,6 +395,21 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
     assert not (tmp_path / "plans").exists()
 
 
+def test_yaml_merge_keys_are_read_as_safe_load_reads_them(tmp_path):
+    """Entries sharing keys through an anchor and merge keys (``<<: *base``) are valid YAML that yaml.safe_load
+    reads; the duplicate-key check refused them as 'not valid YAML' (no constructor for the merge tag). A key
+    written beside the merge overrides the merged one, as in safe_load; a key written twice is still refused."""
+    from pipeline.common.config import ConfigError, load_params
+
+    text = "base: &b\n  method: fedavg\n  seed: 0\nexperiments:\n  x:\n    <<: *b\n    seed: 1\n"
+    (tmp_path / "merge.yaml").write_text(text)
+    assert load_params(tmp_path / "merge.yaml") == yaml.safe_load(text)
+    assert load_params(tmp_path / "merge.yaml")["experiments"]["x"] == {"method": "fedavg", "seed": 1}
+    (tmp_path / "twice.yaml").write_text(text + "    seed: 2\n")
+    with pytest.raises(ConfigError, match="duplicate key 'seed'"):
+        load_params(tmp_path / "twice.yaml")
+
+
 @pytest.mark.parametrize(
     "stage, args, key, value, problem",
     [
