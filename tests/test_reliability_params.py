@@ -410,6 +410,16 @@ def test_yaml_merge_keys_are_read_as_safe_load_reads_them(tmp_path):
         load_params(tmp_path / "twice.yaml")
 
 
+def test_an_unhashable_key_is_safe_loads_one_line_not_a_type_error(tmp_path):
+    """``[lr]: 0.1`` (a flow sequence as a key) is safe_load's ConstructorError with its line; the duplicate-key
+    check put the key into a set first: 'TypeError: unhashable type: list', a traceback naming no file."""
+    from pipeline.common.config import ConfigError, load_params
+
+    (tmp_path / "params.yaml").write_text("train:\n  [lr]: 0.1\n")
+    with pytest.raises(ConfigError, match=r"params.yaml: not valid YAML \(.*found unhashable key.*line 2"):
+        load_params(tmp_path / "params.yaml")
+
+
 @pytest.mark.parametrize(
     "stage, args, key, value, problem",
     [
