@@ -73,6 +73,8 @@ def test_a_record_that_is_not_an_object_gives_the_fallback_name(tmp_path):
     """backbone_name reads the record of a directory not checked yet: valid JSON of another kind is no name."""
     (tmp_path / RECORD_NAME).write_text('["bart"]')
     assert backbone_name(tmp_path, "bart-fallback") == "bart-fallback"
+    (tmp_path / RECORD_NAME).write_bytes(b'{"name": "\xff"}')  # not UTF-8: was a UnicodeDecodeError traceback
+    assert backbone_name(tmp_path, "bart-fallback") == "bart-fallback"
 
 
 def test_the_undamaged_copy_loads(saved, tmp_path):

@@ -73,6 +73,6 @@ def backbone_name(backbone_dir: str | Path, fallback: str) -> str:
     record = Path(backbone_dir) / RECORD_NAME
     try:
         name = json.loads(record.read_text()).get("name") if record.is_file() else None
-    except (json.JSONDecodeError, AttributeError):  # not JSON, or JSON that is not an object: no name
+    except (ValueError, AttributeError):  # not UTF-8, not JSON, or JSON that is not an object: no name
         return fallback
     return str(name) if name else fallback
