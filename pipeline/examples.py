@@ -7,13 +7,13 @@ How the model inputs are made: pipeline.datasets.examples."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
 
 from pipeline.common import atomic, cli
 from pipeline.common.config import ConfigError, group
+from pipeline.common.schema import read_json
 from pipeline.common.timing import stage_timer
 from pipeline.datasets.examples import ExamplesConfig, build_examples, stats_markdown, table_ii
 from pipeline.paths import PATHS
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
         interim = {ds: pd.read_parquet(args.interim_dir / f"{ds}.parquet") for ds in datasets}
         examples, link_report = build_examples(interim, cfg)
         skipped = {
-            ds: json.loads((args.report_dir / f"ingest_{ds}.json").read_text())["skipped_by_reason"] for ds in datasets
+            ds: read_json(args.report_dir / f"ingest_{ds}.json", "ingest report")["skipped_by_reason"]
+            for ds in datasets
         }
         stats = table_ii(examples)
         atomic.to_parquet(examples, args.out, index=False)

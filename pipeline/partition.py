@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from pipeline.common import atomic, cli
+from pipeline.common.config import ConfigError
 from pipeline.common.timing import stage_timer
 from pipeline.partitioning import partitions
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with stage_timer(f"partition-{args.scheme}-seed{args.seed}"):  # wall time, peak RSS -> reports/timing/
         _, cfg = cli.read_params(args.params, partition=PartitionConfig)
+        if args.seed < 0:  # numpy's generators refuse it (a traceback), as partition.seeds does
+            raise ConfigError(f"--seed {args.seed} is out of range; allowed: >= 0 (as partition.seeds)")
         examples = pd.read_parquet(args.examples, columns=partitions.EXAMPLE_COLUMNS_USED)
         part = partitions.make_partition(examples, args.scheme, args.seed, cfg)
         out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"

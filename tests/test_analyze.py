@@ -288,6 +288,9 @@ def test_read_json_reports_a_missing_or_bad_file_in_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(DataError, match=r"bad\.json: not valid JSON \("):
         read_json(tmp_path / "bad.json", "train metrics")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{}")  # not UTF-8: was a UnicodeDecodeError traceback
+    with pytest.raises(DataError, match=r"binary\.json: not valid JSON \(.*can't decode byte 0xff"):
+        read_json(tmp_path / "binary.json", "train metrics")
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(DataError, match=r"list\.json: expected a JSON object \(train metrics\)$"):
         read_json(tmp_path / "list.json", "train metrics")

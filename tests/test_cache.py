@@ -126,6 +126,15 @@ def test_changed_tokens_never_hit_a_stale_entry(model, tmp_path):
     prefix = cache.prefix_for(model, changed)
     assert cache.stats["misses"] == 2
     torch.testing.assert_close(prefix.decoder_hidden, model.compute_prefix(changed).decoder_hidden)
+    # the same id and source with an edited summary: the decoder tokens name the entry too (a decoder prefix of the
+    # old summary's tokens would be read for the new labels)
+    ex = tokenize_pairs(
+        model.tokenizer, FRAME.iloc[:1].assign(target="Another summary."), LENGTHS, model.decoder_start_token_id
+    )
+    edited = collate(ex, model.pad_token_id, model.decoder_start_token_id)
+    prefix = cache.prefix_for(model, edited)
+    assert cache.stats["misses"] == 3 and cache.stats["hits"] == 0
+    torch.testing.assert_close(prefix.decoder_hidden, model.compute_prefix(edited).decoder_hidden)
 
 
 def test_half_precision_cache_is_close(model, tmp_path):

@@ -178,3 +178,26 @@ def test_a_link_threshold_outside_the_jaccard_range_is_named(threshold):
         from_dict(ExamplesConfig, {"link_min_jaccard": threshold}, "params.yaml examples")
     names(err.value, "examples.link_min_jaccard", str(threshold))
     assert from_dict(ExamplesConfig, {"link_min_jaccard": 1.0}).link_min_jaccard == 1.0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_or_missing_ingest_report_is_one_error_line_naming_it(interim, tmp_path, damage):
+    """The stage reads each dataset's ingest report (its records skipped by design): a report cut short by a killed
+    writer was a JSONDecodeError traceback naming no file."""
+    from pipeline import examples as stage
+    from pipeline.common.cli import EXIT_USAGE
+    from tests.reliability import run_inprocess
+
+    (tmp_path / "interim").mkdir()
+    interim["samsum"].to_parquet(tmp_path / "interim" / "samsum.parquet")
+    (tmp_path / "p.yaml").write_text("ingest:\n  datasets: [samsum]\n")
+    report = tmp_path / "reports" / "ingest_samsum.json"
+    report.parent.mkdir()
+    if damage == "truncated":
+        report.write_text('{"skipped_by_reason": {"empty dia')
+    args = ["--params", str(tmp_path / "p.yaml"), "--interim-dir", str(tmp_path / "interim")]
+    args += ["--report-dir", str(report.parent), "--out", str(tmp_path / "examples.parquet")]
+    outcome = run_inprocess(stage.main, args)
+    assert outcome.status == EXIT_USAGE and "Traceback" not in outcome.stderr, outcome.stderr
+    assert outcome.lines[-1].startswith(f"error: {report}: "), outcome.stderr
+    assert not (tmp_path / "examples.parquet").exists()  # nothing written from a stage that stopped

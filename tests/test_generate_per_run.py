@@ -80,3 +80,20 @@ def test_each_generate_call_holds_runs_of_one_batch_length_so_no_row_is_padding(
     # 8-11 and 12: the last run's alone
     assert calls == [8, 4, 4, 3, 1, 4, 1]
     assert summaries == [generate_per_run(model, [state], [s], cfg, 32, "alone")[0] for s in sources]
+
+
+def test_every_decoding_setting_reaches_generate_as_metrics_json_records_it(monkeypatch):
+    """The decoding settings metrics.json records (evaluate params) are the ones beam search runs with: each one
+    reaches HF ``generate`` under its HF name (the comparisons above hold whatever the settings are)."""
+    backbone, tokenizer = tiny("bart")
+    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    seen = []
+    real = backbone.generate
+    monkeypatch.setattr(backbone, "generate", lambda **kw: seen.append(kw) or real(**kw))
+    cfg = EvaluateConfig(
+        batch_size=2, num_beams=3, max_target_length=9, min_target_length=4, no_repeat_ngram_size=2, length_penalty=0.7
+    )
+    generate_per_run(model, [model.adapter_state("local")], [WORDS[:2]], cfg, 32, "settings")
+    [kw] = seen
+    expected = dict(num_beams=3, max_new_tokens=9, min_new_tokens=4, no_repeat_ngram_size=2, length_penalty=0.7)
+    assert {k: kw.get(k) for k in expected} == expected and kw["do_sample"] is False

@@ -666,3 +666,50 @@ def test_a_split_that_is_no_list_of_ids_is_one_line_naming_the_client_and_split(
     with pytest.raises(DataError) as err:
         read_partition(path, "Academic")
     assert str(err.value) == f"{path}: client 'Academic': its {split} split is not a list of ids"
+
+
+def test_each_client_draws_its_slots_from_its_own_label_mix():
+    """Client c's labels follow its own q_c (the c-th row of the seeded Dir(alpha p) draw), not another client's:
+    with ten clients and a large pool no label runs out while the first half draws."""
+    pool = _skewed_pool((3000, 3000, 3000))
+    c = cfg(domain_dirichlet={"alpha": 1.0, "n_clients": 10})
+    part = make_partition(pool, "domain_dirichlet", 0, c)
+    mixes = np.random.default_rng(0).dirichlet(np.full(3, 1.0 / 3), size=10)  # p = 1/3 each; the scheme's first draw
+    domain_of = dict(zip(pool.example_id, pool.domain))
+    for k, client in enumerate(list(part.clients.values())[:5]):
+        train = [domain_of[i] for i in client["train"]]
+        shares = [train.count(d) / len(train) for d in sorted(QMSUM_SIZES)]
+        assert np.abs(np.array(shares) - mixes[k]).max() < 0.06, (k, shares, mixes[k])
+    # and which examples of a label is drawn at random: the first client's are not the last ids in sorted order
+    first = [i for i in list(part.clients.values())[0]["train"] if domain_of[i] == "Product"]
+    product = sorted(i for i in pool.example_id if domain_of[i] == "Product" and "/train/" in i)
+    assert first and sorted(first) != product[-len(first) :]
+
+
+def test_quantity_skew_skews_sizes_not_domains():
+    """Dir(beta) decides how many examples a client gets, a random draw which ones: with beta large (equal sizes),
+    every client holds the global domain mix, not a block of the id-sorted pool (one domain each)."""
+    pool = _skewed_pool()
+    part = make_partition(pool, "quantity", 0, cfg(quantity={"n_clients": 3, "beta": 1e3}))
+    domain_of = dict(zip(pool.example_id, pool.domain))
+    for client in part.clients.values():
+        train = [domain_of[i] for i in client["train"]]
+        assert abs(train.count("Academic") / len(train) - 0.6) < 0.08
+    stats = partition_stats(part, pool, "quantity", 0)
+    assert stats["js_divergence"]["mean_off_diagonal"] < 0.02
+
+
+def test_a_negative_seed_on_the_command_line_is_one_usage_error(tmp_path, monkeypatch):
+    """numpy's generators refuse a negative seed: it was a 'ValueError: expected non-negative integer' traceback."""
+    from tests.reliability import run_inprocess
+
+    monkeypatch.chdir(tmp_path)  # a stage that ran would write its timing record to ./reports/timing
+
+    EXAMPLES.to_parquet(tmp_path / "examples.parquet", index=False)
+    args = ["--scheme", "iid", "--seed", "-1", "--params", str(tmp_path / "params.yaml")]
+    (tmp_path / "params.yaml").write_text("partition: {seeds: [0]}\n")
+    args += ["--examples", str(tmp_path / "examples.parquet"), "--out-dir", str(tmp_path / "parts")]
+    outcome = run_inprocess(main, args + ["--report-dir", str(tmp_path / "rep")])
+    assert outcome.status == 2 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert outcome.lines == ["error: --seed -1 is out of range; allowed: >= 0 (as partition.seeds)"], outcome.stderr
+    assert not (tmp_path / "parts").exists() and not (tmp_path / "reports").exists()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import save_tiny
 
-from pipeline.common.integrity import RECORD_NAME, ModelDirError, sha256_dir
+from pipeline.common.integrity import RECORD_NAME, ModelDirError, backbone_name, sha256_dir
 from pipeline.modeling.adapters import AdapterConfig
 from pipeline.modeling.model import AdapterSummarizer
 
@@ -51,6 +51,7 @@ DAMAGE = {  # what is done -> what the message must say, after the damaged file'
     ),
     "config_missing": (lambda d: (d / "config.json").unlink(), r"config.json: missing"),
     "weights_missing": (lambda d: (d / "model.safetensors").unlink(), r"backbone: no weight file"),
+    "record_not_an_object": (lambda d: (d / RECORD_NAME).write_text("[]"), r"fedmeet_backbone.json: not a JSON object"),
 }
 
 
@@ -66,6 +67,14 @@ def test_damaged_backbone_names_the_file(saved, tmp_path, damage):
     assert message.startswith(str(copy)), message
     assert re.search(expected, message), message
     assert "dvc repro backbone" in message  # and says how to fix it
+
+
+def test_a_record_that_is_not_an_object_gives_the_fallback_name(tmp_path):
+    """backbone_name reads the record of a directory not checked yet: valid JSON of another kind is no name."""
+    (tmp_path / RECORD_NAME).write_text('["bart"]')
+    assert backbone_name(tmp_path, "bart-fallback") == "bart-fallback"
+    (tmp_path / RECORD_NAME).write_bytes(b'{"name": "\xff"}')  # not UTF-8: was a UnicodeDecodeError traceback
+    assert backbone_name(tmp_path, "bart-fallback") == "bart-fallback"
 
 
 def test_the_undamaged_copy_loads(saved, tmp_path):

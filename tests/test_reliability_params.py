@@ -395,6 +395,31 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
     assert not (tmp_path / "plans").exists()
 
 
+def test_yaml_merge_keys_are_read_as_safe_load_reads_them(tmp_path):
+    """Entries sharing keys through an anchor and merge keys (``<<: *base``) are valid YAML that yaml.safe_load
+    reads; the duplicate-key check refused them as 'not valid YAML' (no constructor for the merge tag). A key
+    written beside the merge overrides the merged one, as in safe_load; a key written twice is still refused."""
+    from pipeline.common.config import ConfigError, load_params
+
+    text = "base: &b\n  method: fedavg\n  seed: 0\nexperiments:\n  x:\n    <<: *b\n    seed: 1\n"
+    (tmp_path / "merge.yaml").write_text(text)
+    assert load_params(tmp_path / "merge.yaml") == yaml.safe_load(text)
+    assert load_params(tmp_path / "merge.yaml")["experiments"]["x"] == {"method": "fedavg", "seed": 1}
+    (tmp_path / "twice.yaml").write_text(text + "    seed: 2\n")
+    with pytest.raises(ConfigError, match="duplicate key 'seed'"):
+        load_params(tmp_path / "twice.yaml")
+
+
+def test_an_unhashable_key_is_safe_loads_one_line_not_a_type_error(tmp_path):
+    """``[lr]: 0.1`` (a flow sequence as a key) is safe_load's ConstructorError with its line; the duplicate-key
+    check put the key into a set first: 'TypeError: unhashable type: list', a traceback naming no file."""
+    from pipeline.common.config import ConfigError, load_params
+
+    (tmp_path / "params.yaml").write_text("train:\n  [lr]: 0.1\n")
+    with pytest.raises(ConfigError, match=r"params.yaml: not valid YAML \(.*found unhashable key.*line 2"):
+        load_params(tmp_path / "params.yaml")
+
+
 @pytest.mark.parametrize(
     "stage, args, key, value, problem",
     [

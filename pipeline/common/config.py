@@ -84,11 +84,13 @@ class UniqueKeyLoader(yaml.SafeLoader):
     under the same name would drop the first)."""
 
     def construct_mapping(self, node, deep=False):
-        seen = set()
+        seen = []  # a list: an unhashable key (``[lr]: 0.1``) reaches safe_load's own one-line error, below
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: safe_load merges it, written keys override
+                continue
             if (key := self.construct_object(key_node, deep=deep)) in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
+            seen.append(key)
         return super().construct_mapping(node, deep)
 
 

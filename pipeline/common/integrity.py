@@ -56,7 +56,9 @@ def check_model_dir(path: str | Path) -> None:
         raise ModelDirError(f"{d}: no weight file (*.safetensors or *.bin); {FIX}")
     record = d / RECORD_NAME
     if record.is_file():
-        recorded = json.loads(record.read_text(encoding="utf-8")).get("backbone_sha256")
+        if not isinstance(data := json.loads(record.read_text(encoding="utf-8")), dict):  # valid JSON, of another kind
+            raise ModelDirError(f"{record}: not a JSON object (the backbone stage writes one); {FIX}")
+        recorded = data.get("backbone_sha256")
         if recorded and sha256_dir(d) != recorded:
             raise ModelDirError(
                 f"{d}: file contents differ from backbone_sha256 recorded in {record} (a file was "
@@ -71,6 +73,6 @@ def backbone_name(backbone_dir: str | Path, fallback: str) -> str:
     record = Path(backbone_dir) / RECORD_NAME
     try:
         name = json.loads(record.read_text()).get("name") if record.is_file() else None
-    except json.JSONDecodeError:
+    except (ValueError, AttributeError):  # not UTF-8, not JSON, or JSON that is not an object: no name
         return fallback
     return str(name) if name else fallback

@@ -30,7 +30,7 @@ def read_json(path: Path, what: str = "JSON file", kind: type = dict) -> Any:
         raise DataError(f"{path}: {what} not found")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:  # bytes that are not UTF-8 are no JSON either
         raise DataError(f"{path}: not valid JSON ({err})") from err
     if not isinstance(data, kind):
         raise DataError(f"{path}: expected a JSON {'object' if kind is dict else 'array'} ({what})")
