@@ -137,6 +137,16 @@ def test_content_hash_identifies_the_files_not_the_place(tmp_path):
     assert bb.sha256_dir(a) != bb.sha256_dir(b)
 
 
+@pytest.mark.parametrize("record", ["[]", "{not json", '{"backbone_sha256": "abc"}'])
+def test_a_runs_input_hash_of_a_model_dir_takes_the_records_hash_or_else_the_files(tmp_path, record):
+    from pipeline.common.integrity import RECORD_NAME
+    from pipeline.training.checkpoints import input_hash
+
+    model_dir = tiny_models.save_tiny("bart", tmp_path / "m")
+    (model_dir / RECORD_NAME).write_text(record)  # a record that is not an object, or not JSON, is no hash
+    assert input_hash(model_dir) == ("abc" if "sha256" in record else bb.sha256_dir(model_dir))
+
+
 def test_encoder_only_directory_is_rejected(tmp_path):
     model, tok = tiny_models.tiny_bert2bert()
     model.encoder.save_pretrained(tmp_path / "bert")

@@ -77,7 +77,7 @@ def _content_hash(path: Path, stats: tuple) -> str:
         return file_hash(path)
     try:
         return json.loads((path / RECORD_NAME).read_text()).get("backbone_sha256") or sha256_dir(path)
-    except (OSError, ValueError):  # no record, or a damaged one (loading the model names it)
+    except (OSError, ValueError, AttributeError):  # no record, or a damaged one (loading the model names it)
         return sha256_dir(path)
 
 
