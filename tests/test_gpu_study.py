@@ -915,6 +915,24 @@ def test_the_import_of_a_call_cut_before_any_run_finished_writes_the_readme_not_
     assert "no evaluated experiment" in done["not_made"]["main table"]
 
 
+def test_the_import_of_another_leases_study_replaces_the_folder_not_merges_into_it(tmp_path):
+    """docs/gpu-lease.md: the next lease repeats the whole study "and its import replaces this one". The import laid
+    the new call's files over the folder: the second lease of 2026-11-28 (14 runs finished, none evaluated) imported
+    into reports/gpu-study (the first lease's) read "30 runs finished training (30 converged ...) and 21 were
+    evaluated", the first lease's evaluations of other runs counted and tabled as its own. Another study's folder
+    is replaced; a later call of the same study (a resumed call, or the end of a detached one) is laid over it."""
+    dest = tmp_path / "gpu-study"
+    shutil.copytree(ROOT / "reports/gpu-study", dest)
+    (dest / "eval/fedkd-domain-s0/marker").write_text("the same study's")
+    importer.unpack(ROOT / "reports/bench/gpu-study-call", dest)  # the same study's last call again: laid over it
+    assert (dest / "eval/fedkd-domain-s0/marker").is_file()
+    study = importer.unpack(ROOT / "reports/bench/gpu-study-call-2026-11-28b", dest)
+    assert "14 runs finished training (14 converged by the stop rule of `train.stop`) and 0 were evaluated" in (
+        importer.readme(dest, study)
+    )
+    assert not (dest / "eval").exists() and len(list(dest.glob("runs/*/metrics.json"))) == 14
+
+
 def test_the_report_of_a_call_that_stopped_before_its_workspace_says_so_in_one_line(tmp_path):
     """A study call on a machine that went back after the staging call (it finds no staged weight parts) or whose
     wheels do not install stops before its workspace: it packs log.tar.gz and an empty results.tar.gz (no repo).
