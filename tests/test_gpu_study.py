@@ -580,6 +580,29 @@ def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     assert not [n for n in names if "gate_log" in n]
 
 
+def test_the_returned_results_leave_out_the_temporaries_of_writes_in_progress_or_killed(tmp_path):
+    """The stages write whole (pipeline.common.atomic): a temporary beside the target, renamed into place; a run is
+    published as ``models/.<exp>.<pid>.<hex>.tmp/`` then renamed to ``models/<exp>/``. A detached study's snapshot
+    packs the workspace while the stages write (a temporary listed, then renamed before it is read: the snapshot
+    raised and the call returned no status 3), and a step the budget kills (SIGKILL) leaves its temporaries: the
+    import took ``models/.<exp>.<pid>.<hex>.tmp/experiment.json`` for a run of its own. Temporaries stay out."""
+    repo = tmp_path / "repo"
+    (repo / "params.yaml").parent.mkdir(parents=True)
+    (repo / "params.yaml").write_text("{}")
+    for run in ("fedavg-domain-s0", ".fedavg-domain-s1.4242.abcd1234.tmp"):
+        (repo / "models" / run / "clients/Academic").mkdir(parents=True)
+        (repo / "models" / run / "experiment.json").write_text("{}")
+        (repo / "models" / run / "clients/Academic/adapter.safetensors").write_bytes(b"w")
+    (repo / "reports/train/fedavg-domain-s0").mkdir(parents=True)
+    (repo / "reports/train/fedavg-domain-s0/.rounds.4242.abcd1234.tmp.json").write_text('{"cut')
+    names = [name for _, name in device.results_members(repo)]
+    assert "models/fedavg-domain-s0/experiment.json" in names
+    assert [n for n in names if "/." in n] == []
+    assert list(json.loads((repo / "weights.md5.json").read_text())) == [
+        "models/fedavg-domain-s0/clients/Academic/adapter.safetensors"
+    ]
+
+
 def test_a_call_killed_mid_step_still_returns_the_record_of_its_steps(tmp_path):
     """The tool kills a call that overruns its limit and brings back what it left under $OUT; study.json was written
     there only when packing, so such a call returned nothing. It must hold each step so far (the finished ones ok)."""

@@ -366,10 +366,19 @@ def pack_work(work: Path, out: Path) -> list[Path]:
     )
 
 
+def written(path: Path, work: Path) -> bool:
+    """Not a temporary of a write in progress, or one a killed step left (pipeline.common.atomic: ``.<name>.<pid>.
+    <hex>.tmp``, a run published from ``models/.<exp>...tmp/``): a snapshot of a detached study packs while the
+    stages write, and such a file is renamed away before it is read, or read as a run of its own by the import."""
+    return not any(part.startswith(".") for part in path.relative_to(work).parts)
+
+
 def weights_md5(work: Path) -> Path:
     """``weights.md5.json``: the md5 of every weights file the run wrote (they stay on the machine)."""
     models = work / "models"
-    found = sorted(p for p in models.rglob("*") if p.name.endswith(WEIGHTS)) if models.is_dir() else []
+    found = (
+        sorted(p for p in models.rglob("*") if p.name.endswith(WEIGHTS) and written(p, work)) if models.is_dir() else []
+    )
     path = work / "weights.md5.json"
     digests = {p.relative_to(work).as_posix(): hashlib.md5(p.read_bytes()).hexdigest() for p in found}
     path.write_text(json.dumps(digests, indent=1) + "\n")
@@ -387,6 +396,7 @@ def results_members(work: Path) -> list[tuple[Path, str]]:
                 (p, p.relative_to(work).as_posix())
                 for p in sorted(base.rglob("*"))
                 if p.is_file()
+                and written(p, work)
                 and not p.name.endswith(WEIGHTS)
                 and "/backbone/" not in p.as_posix()
                 and not p.name.startswith("gate_log")
