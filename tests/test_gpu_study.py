@@ -563,6 +563,23 @@ def test_a_spare_wheel_stands_in_for_an_image_package_outside_the_pins(tmp_path,
     assert rc == (0 if unmet is None else f"needs-probe 1.0 {unmet}")
 
 
+def test_a_spare_whose_own_pin_the_image_misses_brings_the_spare_for_it(tmp_path):
+    """A spare is installed where the image's version misses a pin, "then everything is checked again": the spare's
+    own requirements too, and the image's versions moved together on 2026-11-28. Where one of those misses (here the
+    spare probe-dep 1.5 needs iniconfig<1, the image's is 2.x) and wheels/spare holds the pinned one, it is
+    installed in turn; the install step refused instead, one spare short, with the spare it needed carried."""
+    import importlib.metadata
+
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    _wheel(wheels, "needs-probe", "1.0", ("probe-dep<2",))
+    _wheel(wheels / "spare", "probe_dep", "1.5", ("iniconfig<1",))
+    _wheel(wheels / "spare", "iniconfig", "0.5")
+    assert importlib.metadata.version("iniconfig") >= "1"  # the image's (this interpreter's): outside the pin
+    with (tmp_path / "log.txt").open("w") as log:
+        rc = device.install_wheels(wheels, site, log)
+    assert rc == 0 and (site / "probe_dep").is_dir() and (site / "iniconfig").is_dir()
+
+
 def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     """A finished KD run publishes models/<exp>/gate_log.parquet: a row per trained target token per round (~9 bytes
     a row as parquet; QMSum's 1,095 training examples of up to 96 target tokens: ~0.7 MiB a round), so the study's

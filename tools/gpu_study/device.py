@@ -272,7 +272,7 @@ def install_wheels(wheels: Path, site: Path, log) -> int | str:
     flwr's pins would fail only at the train step's first import of flwr, after the data stages and the backbone).
     Where the image's version of a package is outside the pins and ``wheels/spare`` holds the pinned one (small
     pure-Python packages the image has, carried in case its versions move: prepare.py), the spare is installed too
-    and the requirements checked again."""
+    and the requirements checked again (a spare's own too, until no spare is left to help)."""
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not found:
         print(f"no wheels in {wheels}: the current Python's packages are used", file=log, flush=True)
@@ -284,10 +284,13 @@ def install_wheels(wheels: Path, site: Path, log) -> int | str:
     check = [sys.executable, "-c", UNMET, str(site), *UNUSED]
     unmet = json.loads(subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout)
     spares = {norm(w.name.split("-")[0]): w for w in sorted((wheels / "spare").glob("*.whl"))}
-    if needed := sorted({spares[norm(name)] for name, _ in unmet if norm(name) in spares}):
+    installed: set[Path] = set()
+    # again until no spare is left to help: an installed spare's own pins may miss the image's versions in turn
+    while needed := sorted({spares[norm(name)] for name, _ in unmet if norm(name) in spares} - installed):
         print(f"the image's versions outside the pins; installing the spares {[w.name for w in needed]}", file=log)
         if rc := subprocess.run([*cmd, str(site), *map(str, needed)], stdout=log, stderr=subprocess.STDOUT).returncode:
             return rc
+        installed.update(needed)
         unmet = json.loads(subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout)
     return "; ".join(line for _, line in unmet) or 0
 
