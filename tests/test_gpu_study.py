@@ -563,6 +563,23 @@ def test_a_spare_wheel_stands_in_for_an_image_package_outside_the_pins(tmp_path,
     assert rc == (0 if unmet is None else f"needs-probe 1.0 {unmet}")
 
 
+def test_a_spare_whose_own_pin_the_image_misses_brings_the_spare_for_it(tmp_path):
+    """A spare is installed where the image's version misses a pin, "then everything is checked again": the spare's
+    own requirements too, and the image's versions moved together on 2026-11-28. Where one of those misses (here the
+    spare probe-dep 1.5 needs iniconfig<1, the image's is 2.x) and wheels/spare holds the pinned one, it is
+    installed in turn; the install step refused instead, one spare short, with the spare it needed carried."""
+    import importlib.metadata
+
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    _wheel(wheels, "needs-probe", "1.0", ("probe-dep<2",))
+    _wheel(wheels / "spare", "probe_dep", "1.5", ("iniconfig<1",))
+    _wheel(wheels / "spare", "iniconfig", "0.5")
+    assert importlib.metadata.version("iniconfig") >= "1"  # the image's (this interpreter's): outside the pin
+    with (tmp_path / "log.txt").open("w") as log:
+        rc = device.install_wheels(wheels, site, log)
+    assert rc == 0 and (site / "probe_dep").is_dir() and (site / "iniconfig").is_dir()
+
+
 def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     """A finished KD run publishes models/<exp>/gate_log.parquet: a row per trained target token per round (~9 bytes
     a row as parquet; QMSum's 1,095 training examples of up to 96 target tokens: ~0.7 MiB a round), so the study's
@@ -578,6 +595,29 @@ def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     names = [name for _, name in device.results_members(repo)]
     assert "models/fedkd-domain-s0/metrics.json" in names and "models/fedkd-domain-s0/rounds.json" in names
     assert not [n for n in names if "gate_log" in n]
+
+
+def test_the_returned_results_leave_out_the_temporaries_of_writes_in_progress_or_killed(tmp_path):
+    """The stages write whole (pipeline.common.atomic): a temporary beside the target, renamed into place; a run is
+    published as ``models/.<exp>.<pid>.<hex>.tmp/`` then renamed to ``models/<exp>/``. A detached study's snapshot
+    packs the workspace while the stages write (a temporary listed, then renamed before it is read: the snapshot
+    raised and the call returned no status 3), and a step the budget kills (SIGKILL) leaves its temporaries: the
+    import took ``models/.<exp>.<pid>.<hex>.tmp/experiment.json`` for a run of its own. Temporaries stay out."""
+    repo = tmp_path / "repo"
+    (repo / "params.yaml").parent.mkdir(parents=True)
+    (repo / "params.yaml").write_text("{}")
+    for run in ("fedavg-domain-s0", ".fedavg-domain-s1.4242.abcd1234.tmp"):
+        (repo / "models" / run / "clients/Academic").mkdir(parents=True)
+        (repo / "models" / run / "experiment.json").write_text("{}")
+        (repo / "models" / run / "clients/Academic/adapter.safetensors").write_bytes(b"w")
+    (repo / "reports/train/fedavg-domain-s0").mkdir(parents=True)
+    (repo / "reports/train/fedavg-domain-s0/.rounds.4242.abcd1234.tmp.json").write_text('{"cut')
+    names = [name for _, name in device.results_members(repo)]
+    assert "models/fedavg-domain-s0/experiment.json" in names
+    assert [n for n in names if "/." in n] == []
+    assert list(json.loads((repo / "weights.md5.json").read_text())) == [
+        "models/fedavg-domain-s0/clients/Academic/adapter.safetensors"
+    ]
 
 
 def test_a_call_killed_mid_step_still_returns_the_record_of_its_steps(tmp_path):
@@ -913,6 +953,24 @@ def test_the_import_of_a_call_cut_before_any_run_finished_writes_the_readme_not_
     assert len(list((dest / "train").glob("*/rounds.json"))) == 30
     assert "did NOT complete (see the steps): 0 runs finished training" in (dest / "README.md").read_text()
     assert "no evaluated experiment" in done["not_made"]["main table"]
+
+
+def test_the_import_of_another_leases_study_replaces_the_folder_not_merges_into_it(tmp_path):
+    """docs/gpu-lease.md: the next lease repeats the whole study "and its import replaces this one". The import laid
+    the new call's files over the folder: the second lease of 2026-11-28 (14 runs finished, none evaluated) imported
+    into reports/gpu-study (the first lease's) read "30 runs finished training (30 converged ...) and 21 were
+    evaluated", the first lease's evaluations of other runs counted and tabled as its own. Another study's folder
+    is replaced; a later call of the same study (a resumed call, or the end of a detached one) is laid over it."""
+    dest = tmp_path / "gpu-study"
+    shutil.copytree(ROOT / "reports/gpu-study", dest)
+    (dest / "eval/fedkd-domain-s0/marker").write_text("the same study's")
+    importer.unpack(ROOT / "reports/bench/gpu-study-call", dest)  # the same study's last call again: laid over it
+    assert (dest / "eval/fedkd-domain-s0/marker").is_file()
+    study = importer.unpack(ROOT / "reports/bench/gpu-study-call-2026-11-28b", dest)
+    assert "14 runs finished training (14 converged by the stop rule of `train.stop`) and 0 were evaluated" in (
+        importer.readme(dest, study)
+    )
+    assert not (dest / "eval").exists() and len(list(dest.glob("runs/*/metrics.json"))) == 14
 
 
 def test_the_report_of_a_call_that_stopped_before_its_workspace_says_so_in_one_line(tmp_path):

@@ -272,7 +272,7 @@ def install_wheels(wheels: Path, site: Path, log) -> int | str:
     flwr's pins would fail only at the train step's first import of flwr, after the data stages and the backbone).
     Where the image's version of a package is outside the pins and ``wheels/spare`` holds the pinned one (small
     pure-Python packages the image has, carried in case its versions move: prepare.py), the spare is installed too
-    and the requirements checked again."""
+    and the requirements checked again (a spare's own too, until no spare is left to help)."""
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not found:
         print(f"no wheels in {wheels}: the current Python's packages are used", file=log, flush=True)
@@ -284,10 +284,13 @@ def install_wheels(wheels: Path, site: Path, log) -> int | str:
     check = [sys.executable, "-c", UNMET, str(site), *UNUSED]
     unmet = json.loads(subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout)
     spares = {norm(w.name.split("-")[0]): w for w in sorted((wheels / "spare").glob("*.whl"))}
-    if needed := sorted({spares[norm(name)] for name, _ in unmet if norm(name) in spares}):
+    installed: set[Path] = set()
+    # again until no spare is left to help: an installed spare's own pins may miss the image's versions in turn
+    while needed := sorted({spares[norm(name)] for name, _ in unmet if norm(name) in spares} - installed):
         print(f"the image's versions outside the pins; installing the spares {[w.name for w in needed]}", file=log)
         if rc := subprocess.run([*cmd, str(site), *map(str, needed)], stdout=log, stderr=subprocess.STDOUT).returncode:
             return rc
+        installed.update(needed)
         unmet = json.loads(subprocess.run(check, env=env, capture_output=True, text=True, check=True).stdout)
     return "; ".join(line for _, line in unmet) or 0
 
@@ -366,10 +369,19 @@ def pack_work(work: Path, out: Path) -> list[Path]:
     )
 
 
+def written(path: Path, work: Path) -> bool:
+    """Not a temporary of a write in progress, or one a killed step left (pipeline.common.atomic: ``.<name>.<pid>.
+    <hex>.tmp``, a run published from ``models/.<exp>...tmp/``): a snapshot of a detached study packs while the
+    stages write, and such a file is renamed away before it is read, or read as a run of its own by the import."""
+    return not any(part.startswith(".") for part in path.relative_to(work).parts)
+
+
 def weights_md5(work: Path) -> Path:
     """``weights.md5.json``: the md5 of every weights file the run wrote (they stay on the machine)."""
     models = work / "models"
-    found = sorted(p for p in models.rglob("*") if p.name.endswith(WEIGHTS)) if models.is_dir() else []
+    found = (
+        sorted(p for p in models.rglob("*") if p.name.endswith(WEIGHTS) and written(p, work)) if models.is_dir() else []
+    )
     path = work / "weights.md5.json"
     digests = {p.relative_to(work).as_posix(): hashlib.md5(p.read_bytes()).hexdigest() for p in found}
     path.write_text(json.dumps(digests, indent=1) + "\n")
@@ -387,6 +399,7 @@ def results_members(work: Path) -> list[tuple[Path, str]]:
                 (p, p.relative_to(work).as_posix())
                 for p in sorted(base.rglob("*"))
                 if p.is_file()
+                and written(p, work)
                 and not p.name.endswith(WEIGHTS)
                 and "/backbone/" not in p.as_posix()
                 and not p.name.startswith("gate_log")

@@ -67,6 +67,13 @@ def place(name: str) -> str | None:
     return None
 
 
+def first_start(study: dict[str, Any]) -> float | None:
+    """When the study's first call started its first step: the same in each later call's study.json (which keeps
+    the earlier calls' records) and in a detached study's snapshot, another in another study's."""
+    steps = [*study.get("earlier_calls", []), study][0].get("steps") or [{}]
+    return steps[0].get("started_at")
+
+
 def unpack(returned: Path, dest: Path) -> dict[str, Any]:
     """The returned files into ``dest``; returns study.json's content."""
     study = json.loads((returned / "study.json").read_text())
@@ -78,6 +85,11 @@ def unpack(returned: Path, dest: Path) -> dict[str, Any]:
             raise SystemExit(
                 f"{returned}: no params.yaml in results.tar.gz: the call stopped before its workspace; see study.json"
             )
+    old = dest / "device/study.json"
+    if old.is_file() and first_start(json.loads(old.read_text())) != first_start(study):
+        # another study's import (an earlier lease's): replaced whole, not merged with this one's files (its runs and
+        # evaluations would be counted and tabled as this study's); a later call of the same study brings them all
+        shutil.rmtree(dest)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "device").mkdir(exist_ok=True)
     shutil.copy(returned / "study.json", dest / "device/study.json")
