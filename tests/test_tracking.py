@@ -683,7 +683,9 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
     assert out["n"] == scores[out["client"]]["n"]
 
 
-def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(store, monkeypatch):
+# killed during A's upload (its model left PENDING), or during B's (A's already READY: not logged a second time)
+@pytest.mark.parametrize("dies_at", [1, 2])
+def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(store, monkeypatch, dies_at):
     from pipeline.results.tracking import RunLogger
 
     model_dir = store / "models" / "e"
@@ -697,8 +699,8 @@ def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(s
     real = logger._client.log_model_artifact
     calls = iter(range(100))
 
-    def dying(*args, **kwargs):  # killed during A's upload: its model left PENDING
-        if next(calls) == 1:
+    def dying(*args, **kwargs):
+        if next(calls) == dies_at:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 

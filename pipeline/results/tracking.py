@@ -323,7 +323,8 @@ class RunLogger:
         for client, adapter in adapters.items():
             name, source = f"{plan['experiment']}-{client}", self.children.get(client, self.run_id)
             found = self._client.search_logged_models([self.exp_id], f"name = '{name}' AND source_run_id = '{source}'")
-            [model, *_] = [m for m in found if m.status == "PENDING"] or [  # a killed attempt's: finished, not doubled
+            # a killed attempt's (PENDING, or READY when killed at a later client's): finished, not doubled
+            [model, *_] = [m for m in found if m.status in ("PENDING", "READY")] or [
                 self._client.create_logged_model(
                     self.exp_id, name=name, source_run_id=source, tags=tags | {"client": client}
                 )
