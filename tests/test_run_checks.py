@@ -377,10 +377,11 @@ def test_status_reports_the_run_flwr_run_started_or_that_it_started_none(monkeyp
     assert len(calls) == 1  # the SuperLink is not asked about a run that never started
 
 
-@pytest.mark.parametrize("text", [None, "{not json", "[7]", '"started"'])
+@pytest.mark.parametrize("text", [None, "{not json", "[7]", '"started"', '{"success": true, "run-id": "7x"}'])
 def test_status_names_a_submitted_file_that_holds_no_run_in_one_line(tmp_path, capsys, text):
-    """--submitted names what `flwr run --format json` printed; a missing file, invalid JSON or JSON other than an
-    object is one line naming the file (a list or a string raised AttributeError, a traceback), no SuperLink asked."""
+    """--submitted names what `flwr run --format json` printed; a missing file, invalid JSON, JSON other than an
+    object (a list or a string raised AttributeError, a traceback) or a run id that is no number (int()'s ValueError,
+    a traceback) is one line naming the file, no SuperLink asked."""
     submitted = tmp_path / "run.json"
     if text is not None:
         submitted.write_text(text)
