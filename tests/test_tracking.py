@@ -717,6 +717,18 @@ def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(s
     assert all(str(m.status).endswith("READY") for m in models)
 
 
+def test_a_store_that_is_no_sqlite_database_is_one_line_naming_it(store, capsys):
+    """MLFLOW_TRACKING_URI naming a file that is no SQLite database (a typo, a damaged mlflow.db): before, SQLAlchemy's
+    DatabaseError traceback from every command that logs to MLflow; now one line naming the store."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.results.tracking import experiment_id
+
+    (store / "mlflow.db").write_text("not a database\n")
+    assert run_cli(lambda argv: experiment_id("tests"), []) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(store / "mlflow.db") in err and "not a database" in err, err
+
+
 def test_a_resumed_run_whose_tree_became_clean_drops_its_changed_files(store):
     from pipeline.results.tracking import RunLogger
 

@@ -144,7 +144,10 @@ def _client():
 
     mlflow.set_tracking_uri(uri := tracking_uri())
     with _store_lock(uri):
-        return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
+        try:  # it opens the store: a file that is no database, an out-of-date schema are one line, no traceback
+            return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
+        except Exception as exc:
+            raise ConfigError(f"{uri}: the MLflow store cannot be opened: {' '.join(str(exc).split())[:300]}") from None
 
 
 def find_runs(exp_id: str, where: str, order_by: list[str] | None = None) -> list:
