@@ -309,6 +309,28 @@ def test_the_stream_echoes_and_returns_only_this_runs_output(tmp_path, capsys):
     assert streamed.returncode == 0 and RUN_ID.search(streamed.stdout).group(1) == "2"
 
 
+def test_a_process_reaped_before_the_stop_is_not_signalled_by_its_old_pid(tmp_path):
+    """A group's process that ended and was reaped before stop_all (`flwr run` once the run ends: stream() polls it)
+    has freed its pid, which the kernel may give to any new process (pid_max is 32768 on the reference machine): stop
+    sent that one, and its process group, SIGTERM then SIGKILL. Simulated: the reaped pid taken by a process outside
+    the group."""
+    import subprocess
+
+    from pipeline.federation.processes import ProcessGroup
+
+    group = ProcessGroup(tmp_path / "logs", {"PATH": "/usr/bin:/bin"}, stop_timeout_s=2)
+    proc = group.start("flwr-run", ["true"], tmp_path)
+    proc.popen.wait()  # ended and reaped: its pid is free
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)  # a later process given that pid
+    try:
+        proc.popen.pid = other.pid
+        group.stop_all()
+        assert other.poll() is None, "stop_all signalled a process it did not start"
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, monkeypatch, capsys):
     """The closing line of `local` carries the client-average ROUGE of reports/eval/<exp>/metrics.json when the run
     wrote it (not recomputed), and none when the file is an earlier run's."""
