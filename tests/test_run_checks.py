@@ -54,6 +54,22 @@ def test_a_bad_run_config_item_is_named_before_any_process_starts(tmp_path, monk
     assert not (tmp_path / ".flwr-local").exists()
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--run-timeout", "inf"), ("--run-timeout", "nan"), ("--startup-timeout", "nan"), ("--stop-timeout", "inf")],
+)
+def test_a_timeout_that_is_no_finite_number_is_refused_before_any_process_starts(ws, monkeypatch, capsys, flag, value):
+    """--run-timeout inf or nan ended in a ValueError traceback (the local CA's validity in days); a startup (run,
+    stop) timeout of nan waited for ever for a process that never got ready (no time is past nan)."""
+    from tests.test_federated import write_plan
+
+    plan = write_plan("timeout-flags", "fedavg")
+    monkeypatch.setattr(localhost.ProcessGroup, "start", lambda *a, **k: pytest.fail("a process was started"))
+    status = run_cli(cli.main, ["local", "--plan", plan, flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and flag in err[0], err
+
+
 def test_good_run_config_values_pass_and_an_integer_is_a_number():
     from_dict(
         ServerRunConfig,

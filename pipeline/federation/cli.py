@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import signal
 import sys
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
     given = {f.name: getattr(args, f.name) for f in fields(LocalhostConfig) if getattr(args, f.name, None) is not None}
+    # nan or inf: no wait would ever end (no time is past nan), and the local CA's validity in days is no integer
+    if bad := [f"--{k[:-2].replace('_', '-')}" for k, v in given.items() if k.endswith("_s") and not math.isfinite(v)]:
+        raise ConfigError(f"{', '.join(bad)}: give a finite number of seconds")
     if "plan" in (run_config := _parse_run_config(args.run_config)):  # the ServerApp's plan would win, not the nodes'
         raise ConfigError("--run-config 'plan': give the plan as --plan or --experiment (the SuperNodes serve it too)")
     cfg = LocalhostConfig(**given | {"plan": plan, "run_config": run_config})
