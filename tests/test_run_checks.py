@@ -347,6 +347,27 @@ def test_a_process_reaped_before_the_stop_is_not_signalled_by_its_old_pid(tmp_pa
         other.wait()
 
 
+def test_a_resumed_run_takes_no_earlier_runs_evaluations_every_n_rounds_for_its_own(ws):
+    """reports/eval/<exp>/rounds.json of a finished run (evaluate-every=1) stayed while the plan's next run started
+    over without an evaluation every N rounds (or was killed in its first one); resumed, that run took the earlier
+    run's rounds as its own, and kept them beside its metrics.json."""
+    from pipeline.federation.deployment import ROUNDS_EVAL, DeploymentRecorder
+    from pipeline.federation.protocol import load_plan
+    from pipeline.paths import PATHS
+    from tests.test_federated import write_plan
+
+    plan = load_plan(write_plan("stale-rounds-eval", "fedavg", rounds=4))
+    saved = PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({"experiment": plan.experiment, "rounds": [{"round": 1}, {"round": 2}]}))
+    recorders = [DeploymentRecorder(None, None, "p", None, 0, 5.0) for _ in range(2)]
+    recorders[0].started(plan, ["Academic"], 1)  # the next run starts over, is killed after round 2's checkpoint
+    recorders[1].started(plan, ["Academic"], 3)  # and resumes at round 3
+    for recorder in recorders:
+        recorder.close()
+    assert recorders[1].per_round == []
+
+
 def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, monkeypatch, capsys):
     """The closing line of `local` carries the client-average ROUGE of reports/eval/<exp>/metrics.json when the run
     wrote it (not recomputed), and none when the file is an earlier run's."""
