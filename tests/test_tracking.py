@@ -729,6 +729,27 @@ def test_a_store_that_is_no_sqlite_database_is_one_line_naming_it(store, capsys)
     assert err.count("\n") == 1 and str(store / "mlflow.db") in err and "not a database" in err, err
 
 
+def test_scoring_a_deployed_runs_global_model_is_refused_in_one_line(store):
+    """docs/mlflow.md: `evaluate model` scores a client's LoggedModel on that client's test subsample. A deployed
+    server's `<experiment>-global` (adapters/global/global_adapter.safetensors) has no client nor test set: it was
+    downloaded, then the evaluation said the partition had no client with test examples."""
+    from pipeline.common.config import ConfigError
+    from pipeline.results.tracking import RunLogger, download_model
+
+    model_dir = store / "models" / "e"
+    (model_dir / "clients" / "A").mkdir(parents=True)
+    (model_dir / "clients" / "A" / "adapter_best.safetensors").write_bytes(b"A")
+    (model_dir / "global_adapter.safetensors").write_bytes(b"G")
+    plan = {"experiment": "e", "method": "fedavg", "partition": "domain", "seed": 0, "study": "tests"}
+    (model_dir / "experiment.json").write_text(json.dumps(plan))
+    logger = RunLogger.start("tests", "e", {}, {"experiment": "e"}, clients=("A",))
+    logger.log_adapter_models(model_dir, global_adapter=model_dir / "global_adapter.safetensors")
+    logger.finish()
+    with pytest.raises(ConfigError, match=f"{logger.models['global']}: .*global"):
+        download_model(logger.models["global"], store / "x")
+    assert download_model(logger.models["A"], store / "x")["client"] == "A"
+
+
 def test_a_resumed_run_whose_tree_became_clean_drops_its_changed_files(store):
     from pipeline.results.tracking import RunLogger
 

@@ -376,6 +376,8 @@ def download_model(model: str, models_dir: Path) -> dict[str, str]:
         tags = _client().get_logged_model(model_id).tags  # _client sets the tracking URI download_artifacts reads
     except mlflow.exceptions.MlflowException as exc:  # a mistyped id: one line, not MLflow's traceback
         raise ConfigError(f"{model}: no such LoggedModel in {tracking_uri()} ({exc.message})") from None
+    if tags.get("client") == "global":  # a deployed server's aggregate: no client's adapter, no test set of its own
+        raise ConfigError(f"{model}: a deployed run's global adapter; give a client's LoggedModel (<exp>-<client>)")
     folder = models_dir / tags["experiment"]
     mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(folder))
     (folder / "adapters").rename(folder / "clients")
