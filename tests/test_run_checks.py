@@ -54,6 +54,22 @@ def test_a_bad_run_config_item_is_named_before_any_process_starts(tmp_path, monk
     assert not (tmp_path / ".flwr-local").exists()
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--run-timeout", "inf"), ("--run-timeout", "nan"), ("--startup-timeout", "nan"), ("--stop-timeout", "inf")],
+)
+def test_a_timeout_that_is_no_finite_number_is_refused_before_any_process_starts(ws, monkeypatch, capsys, flag, value):
+    """--run-timeout inf or nan ended in a ValueError traceback (the local CA's validity in days); a startup (run,
+    stop) timeout of nan waited for ever for a process that never got ready (no time is past nan)."""
+    from tests.test_federated import write_plan
+
+    plan = write_plan("timeout-flags", "fedavg")
+    monkeypatch.setattr(localhost.ProcessGroup, "start", lambda *a, **k: pytest.fail("a process was started"))
+    status = run_cli(cli.main, ["local", "--plan", plan, flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and flag in err[0], err
+
+
 def test_good_run_config_values_pass_and_an_integer_is_a_number():
     from_dict(
         ServerRunConfig,
@@ -309,6 +325,49 @@ def test_the_stream_echoes_and_returns_only_this_runs_output(tmp_path, capsys):
     assert streamed.returncode == 0 and RUN_ID.search(streamed.stdout).group(1) == "2"
 
 
+def test_a_process_reaped_before_the_stop_is_not_signalled_by_its_old_pid(tmp_path):
+    """A group's process that ended and was reaped before stop_all (`flwr run` once the run ends: stream() polls it)
+    has freed its pid, which the kernel may give to any new process (pid_max is 32768 on the reference machine): stop
+    sent that one, and its process group, SIGTERM then SIGKILL. Simulated: the reaped pid taken by a process outside
+    the group."""
+    import subprocess
+
+    from pipeline.federation.processes import ProcessGroup
+
+    group = ProcessGroup(tmp_path / "logs", {"PATH": "/usr/bin:/bin"}, stop_timeout_s=2)
+    proc = group.start("flwr-run", ["true"], tmp_path)
+    proc.popen.wait()  # ended and reaped: its pid is free
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)  # a later process given that pid
+    try:
+        proc.popen.pid = other.pid
+        group.stop_all()
+        assert other.poll() is None, "stop_all signalled a process it did not start"
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_resumed_run_takes_no_earlier_runs_evaluations_every_n_rounds_for_its_own(ws):
+    """reports/eval/<exp>/rounds.json of a finished run (evaluate-every=1) stayed while the plan's next run started
+    over without an evaluation every N rounds (or was killed in its first one); resumed, that run took the earlier
+    run's rounds as its own, and kept them beside its metrics.json."""
+    from pipeline.federation.deployment import ROUNDS_EVAL, DeploymentRecorder
+    from pipeline.federation.protocol import load_plan
+    from pipeline.paths import PATHS
+    from tests.test_federated import write_plan
+
+    plan = load_plan(write_plan("stale-rounds-eval", "fedavg", rounds=4))
+    saved = PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({"experiment": plan.experiment, "rounds": [{"round": 1}, {"round": 2}]}))
+    recorders = [DeploymentRecorder(None, None, "p", None, 0, 5.0) for _ in range(2)]
+    recorders[0].started(plan, ["Academic"], 1)  # the next run starts over, is killed after round 2's checkpoint
+    recorders[1].started(plan, ["Academic"], 3)  # and resumes at round 3
+    for recorder in recorders:
+        recorder.close()
+    assert recorders[1].per_round == []
+
+
 def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, monkeypatch, capsys):
     """The closing line of `local` carries the client-average ROUGE of reports/eval/<exp>/metrics.json when the run
     wrote it (not recomputed), and none when the file is an earlier run's."""
@@ -377,10 +436,11 @@ def test_status_reports_the_run_flwr_run_started_or_that_it_started_none(monkeyp
     assert len(calls) == 1  # the SuperLink is not asked about a run that never started
 
 
-@pytest.mark.parametrize("text", [None, "{not json", "[7]", '"started"'])
+@pytest.mark.parametrize("text", [None, "{not json", "[7]", '"started"', '{"success": true, "run-id": "7x"}'])
 def test_status_names_a_submitted_file_that_holds_no_run_in_one_line(tmp_path, capsys, text):
-    """--submitted names what `flwr run --format json` printed; a missing file, invalid JSON or JSON other than an
-    object is one line naming the file (a list or a string raised AttributeError, a traceback), no SuperLink asked."""
+    """--submitted names what `flwr run --format json` printed; a missing file, invalid JSON, JSON other than an
+    object (a list or a string raised AttributeError, a traceback) or a run id that is no number (int()'s ValueError,
+    a traceback) is one line naming the file, no SuperLink asked."""
     submitted = tmp_path / "run.json"
     if text is not None:
         submitted.write_text(text)

@@ -49,7 +49,8 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
 
 def test_a_kit_for_a_client_of_the_plan_its_partition_lacks_is_one_line_naming_it(ws, tmp_path):
     """The plan names Product but the partition file (hand-edited, or re-partitioned) has no Product: before, a
-    KeyError traceback in write_kit; now read_partition's DataError naming the file and the client."""
+    KeyError traceback in write_kit; now read_partition's DataError naming the file and the client, and no partial kit
+    (the plan and a copy of the backbone were written before the partition was read)."""
     from pipeline.common.schema import DataError
     from pipeline.federation.cli import write_kit
     from pipeline.paths import PATHS
@@ -63,6 +64,7 @@ def test_a_kit_for_a_client_of_the_plan_its_partition_lacks_is_one_line_naming_i
     try:
         with pytest.raises(DataError, match="'Product'"):
             write_kit(plan, tmp_path / "x", "Product")
+        assert not (tmp_path / "x").exists()
     finally:
         path.write_text(original)
 

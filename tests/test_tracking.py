@@ -683,7 +683,9 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
     assert out["n"] == scores[out["client"]]["n"]
 
 
-def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(store, monkeypatch):
+# killed during A's upload (its model left PENDING), or during B's (A's already READY: not logged a second time)
+@pytest.mark.parametrize("dies_at", [1, 2])
+def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(store, monkeypatch, dies_at):
     from pipeline.results.tracking import RunLogger
 
     model_dir = store / "models" / "e"
@@ -697,8 +699,8 @@ def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(s
     real = logger._client.log_model_artifact
     calls = iter(range(100))
 
-    def dying(*args, **kwargs):  # killed during A's upload: its model left PENDING
-        if next(calls) == 1:
+    def dying(*args, **kwargs):
+        if next(calls) == dies_at:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
@@ -713,6 +715,39 @@ def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(s
     models = _client().search_logged_models([exp])
     assert sorted(m.tags["client"] for m in models) == ["A", "B"]
     assert all(str(m.status).endswith("READY") for m in models)
+
+
+def test_a_store_that_is_no_sqlite_database_is_one_line_naming_it(store, capsys):
+    """MLFLOW_TRACKING_URI naming a file that is no SQLite database (a typo, a damaged mlflow.db): before, SQLAlchemy's
+    DatabaseError traceback from every command that logs to MLflow; now one line naming the store."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.results.tracking import experiment_id
+
+    (store / "mlflow.db").write_text("not a database\n")
+    assert run_cli(lambda argv: experiment_id("tests"), []) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(store / "mlflow.db") in err and "not a database" in err, err
+
+
+def test_scoring_a_deployed_runs_global_model_is_refused_in_one_line(store):
+    """docs/mlflow.md: `evaluate model` scores a client's LoggedModel on that client's test subsample. A deployed
+    server's `<experiment>-global` (adapters/global/global_adapter.safetensors) has no client nor test set: it was
+    downloaded, then the evaluation said the partition had no client with test examples."""
+    from pipeline.common.config import ConfigError
+    from pipeline.results.tracking import RunLogger, download_model
+
+    model_dir = store / "models" / "e"
+    (model_dir / "clients" / "A").mkdir(parents=True)
+    (model_dir / "clients" / "A" / "adapter_best.safetensors").write_bytes(b"A")
+    (model_dir / "global_adapter.safetensors").write_bytes(b"G")
+    plan = {"experiment": "e", "method": "fedavg", "partition": "domain", "seed": 0, "study": "tests"}
+    (model_dir / "experiment.json").write_text(json.dumps(plan))
+    logger = RunLogger.start("tests", "e", {}, {"experiment": "e"}, clients=("A",))
+    logger.log_adapter_models(model_dir, global_adapter=model_dir / "global_adapter.safetensors")
+    logger.finish()
+    with pytest.raises(ConfigError, match=f"{logger.models['global']}: .*global"):
+        download_model(logger.models["global"], store / "x")
+    assert download_model(logger.models["A"], store / "x")["client"] == "A"
 
 
 def test_a_resumed_run_whose_tree_became_clean_drops_its_changed_files(store):

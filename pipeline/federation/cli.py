@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import signal
 import sys
@@ -65,29 +66,31 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
     if client is not None and client not in plan.clients:
         raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
     run_config = {"plan": plan_path, **server_run_config(params, plan.experiment)} if client is None else None
-    (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(plan_path, out / plan_path)
     backbone = Path(plan.paths["backbone"])
     if not backbone.is_dir():
         raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
+    part_path, own = Path(plan.paths["partition"]), {}
+    if client is not None:  # the site's files are read before anything is written: a bad one leaves no partial kit
+        splits = (partition := read_partition(part_path, client))["clients"][client]
+        ids = {str(i) for split in splits.values() for i in split}
+        # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
+        part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
+        readers = {Path(plan.paths["examples"]): read_examples} | (
+            {Path(plan.paths["postags"]): pd.read_parquet} if "postags" in plan.paths else {}
+        )
+        for path, read in readers.items():  # this client's rows of the examples and the POS tags
+            own[path] = (frame := read(path))[frame["example_id"].astype(str).isin(ids)]
+    (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(plan_path, out / plan_path)
     shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
     written = [Path(plan_path), backbone]
     if run_config is not None:
         write_config_toml(out / RUN_CONFIG, run_config)
         return [*written, Path(RUN_CONFIG)]
 
-    part_path = Path(plan.paths["partition"])
-    splits = (partition := read_partition(part_path, client))["clients"][client]
-    ids = {str(i) for split in splits.values() for i in split}
-    # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
-    part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
     atomic.write_text(out / part_path, json.dumps(part, indent=1))
-    own = {Path(plan.paths["examples"]): read_examples} | (
-        {Path(plan.paths["postags"]): pd.read_parquet} if "postags" in plan.paths else {}
-    )
-    for path, read in own.items():  # this client's rows of the examples and the POS tags
-        frame = read(path)
-        atomic.to_parquet(frame[frame["example_id"].astype(str).isin(ids)], out / path, index=False)
+    for path, frame in own.items():
+        atomic.to_parquet(frame, out / path, index=False)
     return [*written, part_path, *own]
 
 
@@ -135,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
     given = {f.name: getattr(args, f.name) for f in fields(LocalhostConfig) if getattr(args, f.name, None) is not None}
+    # nan or inf: no wait would ever end (no time is past nan), and the local CA's validity in days is no integer
+    if bad := [f"--{k[:-2].replace('_', '-')}" for k, v in given.items() if k.endswith("_s") and not math.isfinite(v)]:
+        raise ConfigError(f"{', '.join(bad)}: give a finite number of seconds")
     if "plan" in (run_config := _parse_run_config(args.run_config)):  # the ServerApp's plan would win, not the nodes'
         raise ConfigError("--run-config 'plan': give the plan as --plan or --experiment (the SuperNodes serve it too)")
     cfg = LocalhostConfig(**given | {"plan": plan, "run_config": run_config})

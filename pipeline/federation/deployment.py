@@ -218,7 +218,10 @@ class DeploymentRecorder(TrainRecorder):
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
         super().started(plan, clients, start_round)
         self.clients = clients  # the run's: a node the server forgot (misnamed) may come back as one
-        if start_round > 1 and (saved := PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL).exists():  # resumed: kept
+        saved = PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL
+        if start_round == 1:  # an earlier run's evaluations, which a resumed run of this one would take for its own
+            saved.unlink(missing_ok=True)
+        elif saved.exists():  # resumed: kept
             self.per_round = [r for r in json.loads(saved.read_text())["rounds"] if r["round"] < start_round]
 
     def round_done(self, plan: Plan, entry, history: list[dict[str, Any]]) -> None:

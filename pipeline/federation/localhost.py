@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline.common import atomic, cli
 from pipeline.common.config import from_dict
-from pipeline.common.schema import read_json
+from pipeline.common.schema import DataError, read_json
 from pipeline.experiments.settings import load_run_settings
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
 from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca, tail
@@ -106,6 +106,8 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
         if not (started.get("success") and started.get("run-id")):  # a refused run config, say
             print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id").split()))
             return 1
+        if not str(started["run-id"]).isdigit():  # a damaged file: one line naming it, not int()'s traceback
+            raise DataError(f"{submitted}: run-id {started['run-id']!r} is not a run id")
         run_id = int(started["run-id"])
     run = ["--run-id", str(run_id)] if run_id is not None else []
     out = flwr("ls", *([superlink] if superlink else []), *run, "--format", "json", timeout=120)

@@ -56,6 +56,8 @@ class ProcessGroup:
     def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
         """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
         ``stop_timeout_s``; then reap it."""
+        if proc.popen.returncode is not None:  # reaped already: its pid, and group id, may be another process's now
+            return
         with contextlib.suppress(psutil.Error):  # Flower's SuperExec runs in its own session: a group kill misses it
             proc.descendants |= {p.pid for p in psutil.Process(proc.popen.pid).children(recursive=True)}
         pids = [proc.popen.pid, *sorted(proc.descendants)]

@@ -144,7 +144,10 @@ def _client():
 
     mlflow.set_tracking_uri(uri := tracking_uri())
     with _store_lock(uri):
-        return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
+        try:  # it opens the store: a file that is no database, an out-of-date schema are one line, no traceback
+            return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
+        except Exception as exc:
+            raise ConfigError(f"{uri}: the MLflow store cannot be opened: {' '.join(str(exc).split())[:300]}") from None
 
 
 def find_runs(exp_id: str, where: str, order_by: list[str] | None = None) -> list:
@@ -323,7 +326,8 @@ class RunLogger:
         for client, adapter in adapters.items():
             name, source = f"{plan['experiment']}-{client}", self.children.get(client, self.run_id)
             found = self._client.search_logged_models([self.exp_id], f"name = '{name}' AND source_run_id = '{source}'")
-            [model, *_] = [m for m in found if m.status == "PENDING"] or [  # a killed attempt's: finished, not doubled
+            # a killed attempt's (PENDING, or READY when killed at a later client's): finished, not doubled
+            [model, *_] = [m for m in found if m.status in ("PENDING", "READY")] or [
                 self._client.create_logged_model(
                     self.exp_id, name=name, source_run_id=source, tags=tags | {"client": client}
                 )
@@ -372,6 +376,8 @@ def download_model(model: str, models_dir: Path) -> dict[str, str]:
         tags = _client().get_logged_model(model_id).tags  # _client sets the tracking URI download_artifacts reads
     except mlflow.exceptions.MlflowException as exc:  # a mistyped id: one line, not MLflow's traceback
         raise ConfigError(f"{model}: no such LoggedModel in {tracking_uri()} ({exc.message})") from None
+    if tags.get("client") == "global":  # a deployed server's aggregate: no client's adapter, no test set of its own
+        raise ConfigError(f"{model}: a deployed run's global adapter; give a client's LoggedModel (<exp>-<client>)")
     folder = models_dir / tags["experiment"]
     mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(folder))
     (folder / "adapters").rename(folder / "clients")
