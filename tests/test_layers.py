@@ -277,7 +277,7 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # hold and in the global's key order, an int8 scale that is no finite number refused; SecAgg+ weights sized by the
 # capped train size; the main table's missing seeds; hard KD over the runs both evaluated; no client-average best
 # validation loss of the other clients).
-PACKAGE_LINE_CEILING = 14_688
+PACKAGE_LINE_CEILING = 14_702
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
