@@ -19,7 +19,7 @@ from pipeline.common.timing import stage_timer
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.experiment_evaluation import evaluate_experiments
 from pipeline.results.readers import read_json, run_converged
-from pipeline.results.scoring import score_files
+from pipeline.results.scoring import SCORE_KEYS, score_files
 from pipeline.results.stats import BootstrapConfig
 from pipeline.results.tracking import download_model
 
@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             metrics = read_json(path, "evaluation record (reports/eval/<exp>/metrics.json)")
             if missing := [k for k in ("experiment", "clients", "mean") if k not in metrics]:
                 raise DataError(f"{path}: not an evaluation record (missing {missing})")
+            # every score it logs, checked before a run is opened (a traceback mid-logging left that run RUNNING)
+            scores = [metrics["mean"], *(metrics["clients"].values() if isinstance(metrics["clients"], dict) else [0])]
+            if not all(isinstance(s, dict) and set(SCORE_KEYS) <= set(s) for s in scores):
+                raise DataError(f"{path}: not an evaluation record ('mean' and each client need {list(SCORE_KEYS)})")
             # what names it: its training run's tags, if its study holds that run (evaluated with `--no-mlflow`)
             record = {k: str(metrics[k]) for k in ("method", "partition", "seed") if metrics.get(k) is not None}
             # the train record beside it (<folder>/train/<exp>/, as reports/cpu-study lays them out): `converged`

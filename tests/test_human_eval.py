@@ -35,6 +35,11 @@ def read_sheet(path):
         return list(csv.DictReader(fh))
 
 
+def read_sheets(folder):
+    """The rows of every sheet make_sheets wrote, sheet1.csv first."""
+    return [r for f in sorted(folder.glob("sheet[0-9]*.csv")) for r in read_sheet(f)]
+
+
 def write_sheet(path, rows, fields=("item_id", "judgement")):
     with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=list(fields), extrasaction="ignore")
@@ -49,8 +54,8 @@ def test_sheets_are_blind_and_balanced(tmp_path):
     )
     assert summary["examples_per_domain"] == {d: 3 for d in DOMAINS}
     assert summary["items"] == 3 * 3 * 2 and summary["opponents"] == ["fedavg", "fedkd"]
-    rows = read_sheet(tmp_path / "sheet.csv")
-    text = (tmp_path / "sheet.csv").read_text() + (tmp_path / "sheet.html").read_text()
+    rows = read_sheets(tmp_path)
+    text = "".join(f.read_text() for f in sorted(tmp_path.glob("sheet*.*")))
     for m in METHODS:
         assert "-s0" not in text and f"by {m} of" in text  # summaries shown, experiment names never
     assert "fedselectkd" not in "".join(r["item_id"] + r["domain"] for r in rows)
@@ -68,12 +73,16 @@ def test_sheets_are_blind_and_balanced(tmp_path):
     # Same seed -> same sheets.
     again = tmp_path / "again"
     make_sheets(predictions(), again, ReportConfig(human_eval_per_domain=3, human_eval_seed=1), {}, meetings)
-    assert (again / "sheet.csv").read_text() == (tmp_path / "sheet.csv").read_text()
+    assert [(again / f.name).read_text() for f in sorted(tmp_path.glob("sheet*.*"))] == [
+        f.read_text() for f in sorted(tmp_path.glob("sheet*.*"))
+    ]
 
 
 def test_round_trip_counts(tmp_path):
     make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=3), {}, {})
-    rows = read_sheet(tmp_path / "sheet.csv")
+    rows = read_sheets(tmp_path)
+    for f in tmp_path.glob("sheet*.csv"):  # one annotator's judgements of every item, in one file
+        f.unlink()
     key = json.loads((tmp_path / "key.json").read_text())["items"]
     other = {"A": "B", "B": "A"}
     fedavg_items = sorted(r["item_id"] for r in rows if key[r["item_id"]]["opponent"] == "fedavg")
@@ -115,10 +124,10 @@ def test_round_trip_counts(tmp_path):
 
 def test_bad_judgement_names_file_and_line(tmp_path):
     make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
-    rows = read_sheet(tmp_path / "sheet.csv")
+    rows = read_sheet(tmp_path / "sheet1.csv")
     rows[1]["judgement"] = "maybe"
-    write_sheet(tmp_path / "sheet.csv", rows, fields=list(rows[0]))
-    with pytest.raises(DataError, match=r"sheet\.csv:3: judgement 'maybe'"):
+    write_sheet(tmp_path / "sheet1.csv", rows, fields=list(rows[0]))
+    with pytest.raises(DataError, match=r"sheet1\.csv:3: judgement 'maybe'"):
         score_sheets(tmp_path)
 
 
@@ -140,7 +149,7 @@ def test_malformed_sheet_is_one_line_naming_the_file(tmp_path, text, problem):
 def test_an_item_twice_in_one_sheet_is_an_error(tmp_path):
     # One annotator's sheet judging an item twice (rows pasted twice) must not count it twice: 1 judged item, not 2.
     make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
-    first = read_sheet(tmp_path / "sheet.csv")[0]
+    first = read_sheet(tmp_path / "sheet1.csv")[0]
     write_sheet(tmp_path / "sheet_ann.csv", [first | {"judgement": "A"}, first | {"judgement": "B"}], list(first))
     first = first["item_id"]
     with pytest.raises(DataError, match=rf"sheet_ann\.csv:3: {first} is judged again \(first on line 2\)"):
@@ -240,12 +249,12 @@ def test_a_sheet_of_another_kit_is_refused_in_one_line_naming_it(tmp_path):
     rebuilt["fedavg"] = {ex: replace(p, prediction=f"retrained {p.prediction}") for ex, p in rebuilt["fedavg"].items()}
     make_sheets(rebuilt, other_build, ReportConfig(human_eval_per_domain=1), {}, {})
     kit = json.loads((tmp_path / "key.json").read_text())["kit"]
-    assert {r["kit"] for r in read_sheet(tmp_path / "sheet.csv")} == {kit}
-    assert f"data-kit='{kit}'" in (page := (tmp_path / "sheet.html").read_text()) and "item_id,judgement,kit" in page
+    assert {r["kit"] for r in read_sheets(tmp_path)} == {kit}
+    assert f"data-kit='{kit}'" in (page := (tmp_path / "sheet2.html").read_text()) and "item_id,judgement,kit" in page
     for other in (other_seed, other_build):
         other_kit = json.loads((other / "key.json").read_text())["kit"]
         assert other_kit != kit
-        rows = [r | {"judgement": "A"} for r in read_sheet(other / "sheet.csv")]
+        rows = [r | {"judgement": "A"} for r in read_sheets(other)]
         write_sheet(tmp_path / "sheet_other.csv", rows, fields=list(rows[0]))
         with pytest.raises(DataError, match=rf"sheet_other\.csv:2: kit '{other_kit}', not key\.json's '{kit}'"):
             score_sheets(tmp_path)
@@ -275,9 +284,10 @@ def test_a_kit_a_spreadsheet_reads_as_a_number_is_not_the_kits_id(tmp_path, monk
 
     monkeypatch.setattr(human_eval, "hashlib", types.SimpleNamespace(sha256=sha256))
     make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
-    saved = pd.read_csv(tmp_path / "sheet.csv", keep_default_na=False)  # each column's type inferred
-    saved["judgement"] = "A"
-    saved.to_csv(tmp_path / "sheet.csv", index=False)
+    for sheet in tmp_path.glob("sheet*.csv"):
+        saved = pd.read_csv(sheet, keep_default_na=False)  # each column's type inferred
+        saved["judgement"] = "A"
+        saved.to_csv(sheet, index=False)
     assert score_sheets(tmp_path)["unjudged"] == 0
 
 
@@ -290,7 +300,21 @@ def test_the_reports_readme_says_a_filled_sheet_keeps_its_kit_column(tmp_path):
     section = readme(index, 0, tmp_path).split("## Human evaluation", 1)[1]
     assert "keep the `kit` column" in section
     make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
-    rows = [{k: v for k, v in r.items() if k != "kit"} | {"judgement": "A"} for r in read_sheet(tmp_path / "sheet.csv")]
+    rows = [{k: v for k, v in r.items() if k != "kit"} | {"judgement": "A"} for r in read_sheets(tmp_path)]
     write_sheet(tmp_path / "sheet_dropped.csv", rows, fields=list(rows[0]))
     with pytest.raises(DataError, match=r"sheet_dropped\.csv: missing column\(s\) \['kit'\]"):
         score_sheets(tmp_path)
+
+
+def test_no_sheet_shows_an_example_twice(tmp_path):
+    # One sheet held every (example, opponent) pair: the target's summary of an example was the text repeated in each
+    # of its items, the opponents' differed, so an annotator saw which side was SelectKD (the committed kit: 64 of its
+    # 96 items told, none wrong). Each sheet now shows an example once, every pair still in one of the sheets.
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=3), {}, {})
+    key = json.loads((tmp_path / "key.json").read_text())["items"]
+    pairs = []
+    for sheet in sorted(tmp_path.glob("sheet*.csv")):
+        shown = [key[r["item_id"]]["example_id"] for r in read_sheet(sheet)]
+        assert len(shown) == len(set(shown)) == 9, sheet.name
+        pairs += [(key[r["item_id"]]["example_id"], key[r["item_id"]]["opponent"]) for r in read_sheet(sheet)]
+    assert len(pairs) == len(set(pairs)) == 9 * 2 and {p[1] for p in pairs} == {"fedavg", "fedkd"}

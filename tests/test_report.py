@@ -287,7 +287,7 @@ def test_report_writes_tables_figures_and_index(project):
     for c in CLIENTS:
         assert f"## {c}" in case
     assert "fedavg says" in case and "fedselectkd says" in case and "**Gold:**" in case
-    sheet = pd.read_csv(reports / "human_eval/sheets/sheet.csv")
+    sheet = pd.read_csv(reports / "human_eval/sheets/sheet1.csv")
     assert len(sheet) == 2 * 3  # 2 examples per domain x 3 domains x 1 opponent
     timing = pd.read_csv(reports / "tables/timing.csv")
     assert list(timing["stage"]) == ["train-fsk-s0"] and timing["seconds"].iloc[0] == 12.5

@@ -105,3 +105,26 @@ def test_a_bad_value_of_a_stage_group_is_one_line_naming_the_params_file(tmp_pat
     assert run_cli(importlib.import_module(f"pipeline.{stage}").main, ["--params", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {path} {named}"), err
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"experiment": "x", "clients": [], "mean": {}},  # not the shape the evaluate stage writes
+        {"experiment": "x", "clients": {}, "mean": 5},
+        {"experiment": "x", "clients": {"A": {"rouge1": 20.0}}, "mean": {"rouge1": 20.0}},  # a record without avg_rouge
+    ],
+)
+def test_import_eval_of_a_malformed_record_is_one_line_before_any_mlflow_run(tmp_path, monkeypatch, capsys, record):
+    # It was a TypeError or KeyError traceback from inside the MLflow logging, after a run of the record was opened
+    # (left RUNNING in the store).
+    import json
+
+    from pipeline.common.cli import run as run_cli
+    from pipeline.evaluate import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (path := tmp_path / "metrics.json").write_text(json.dumps(record))
+    assert run_cli(main, ["import-eval", str(path)]) == 2
+    assert f"{path}: not an evaluation record" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()  # refused before anything was logged

@@ -146,11 +146,14 @@ def make_sheets(
         # one example of each meeting in turn (its queue's next), until per_domain or every queue is empty
         chosen += [ex for turn in itertools.zip_longest(*queues) for ex in turn if ex is not None][:per_domain]
 
-    pairs = [(ex, opp) for ex in chosen for opp in opponents]
-    rng.shuffle(pairs)  # annotators must not see one method's items in a block
+    # as many sheets as opponents, each showing every chosen example once, its opponent rotating: in one sheet of all
+    # pairs, the summary repeated in every item of an example was the target's and gave its side away
+    sheets = [[(ex, opponents[(i + j) % len(opponents)]) for i, ex in enumerate(chosen)] for j in range(len(opponents))]
+    for pairs in sheets:
+        rng.shuffle(pairs)  # annotators must not see one method's items in a block
     rows: list[dict[str, str]] = []
     items: dict[str, dict[str, str]] = {}  # key.json's: item id -> its KeyEntry
-    for idx, (ex, opp) in enumerate(pairs):
+    for idx, (ex, opp) in enumerate(itertools.chain(*sheets)):
         t, o = predictions[target][ex], predictions[opp][ex]
         target_side = rng.choice(("A", "B"))
         a, b = (t, o) if target_side == "A" else (o, t)
@@ -165,13 +168,19 @@ def make_sheets(
     kit = next(k for k in (digest[i : i + 12] for i in range(53)) if set(k) & set("abcdf"))
     rows = [r | {"kit": kit} for r in rows]
 
-    atomic.to_csv(pd.DataFrame(rows, columns=SHEET_COLUMNS), out / "sheet.csv", index=False, lineterminator="\r\n")
-    atomic.write_text(out / "sheet.html", _html_page(rows, kit))
+    for old in [*out.glob("sheet*.csv"), *out.glob("sheet*.html")]:  # another kit's sheets, never to hand out
+        old.unlink()
+    for j, size in enumerate(len(pairs) for pairs in sheets):
+        part, rows = rows[:size], rows[size:]
+        table = pd.DataFrame(part, columns=SHEET_COLUMNS)
+        atomic.to_csv(table, out / f"sheet{j + 1}.csv", index=False, lineterminator="\r\n")
+        atomic.write_text(out / f"sheet{j + 1}.html", _html_page(part, kit, f"sheet{j + 1}"))
     atomic.write_json(out / "key.json", {"target": target, "seed": seed, "kit": kit, "items": items})
     summary = {
         "target": target,
         "opponents": opponents,
-        "items": len(rows),
+        "items": len(items),
+        "sheets": len(sheets),
         "examples": len(chosen),
         "examples_per_domain": dict(sorted(Counter(domain_of[ex] for ex in chosen).items())),
         "requested_per_domain": per_domain,
@@ -182,8 +191,8 @@ def make_sheets(
     return summary
 
 
-def _html_page(rows: list[dict[str, str]], kit: str) -> str:
-    """A static page: every item with radio buttons; a button downloads item_id,judgement,kit as CSV."""
+def _html_page(rows: list[dict[str, str]], kit: str, sheet: str) -> str:
+    """A static page: every item with radio buttons; a button downloads item_id,judgement,kit as <sheet>_<name>.csv."""
     esc = html.escape
     items = []
     for r in rows:
@@ -210,7 +219,7 @@ function download() {
   });
   const a = document.createElement('a');
   a.href = URL.createObjectURL(new Blob([csv], {type: 'text/csv'}));
-  a.download = 'sheet_' + name + '.csv';
+  a.download = document.body.dataset.sheet + '_' + name + '.csv';
   a.click();
 }"""
     return (
@@ -218,12 +227,12 @@ function download() {
         "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
         ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
         "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head>"
-        f"<body data-kit='{esc(kit)}'>"
+        f"<body data-kit='{esc(kit)}' data-sheet='{esc(sheet)}'>"
         "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
         "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
         "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
         "<p>Annotator: <input id='annotator'> <button onclick='download()'>Download my judgements</button> "
-        "(or fill the <code>judgement</code> column of sheet.csv with A, B or tie)</p>"
+        f"(or fill the <code>judgement</code> column of {esc(sheet)}.csv with A, B or tie)</p>"
         + "".join(items)
         + f"<script>{script}</script></body></html>"
     )

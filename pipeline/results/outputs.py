@@ -142,8 +142,9 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     sheets_dir = paths.human_eval / "sheets"
     if cfg.human_eval_target in preds and len(preds) > 1:
         summary = human_eval.make_sheets(preds, sheets_dir, cfg, queries, meeting_of, pred_seed)
-        made.files["human evaluation"] = [str(sheets_dir / f) for f in ("sheet.csv", "sheet.html", "key.json")] + [
-            f"{summary['items']} comparisons, {summary['examples_per_domain']} examples per domain, seed {pred_seed} runs"
+        made.files["human evaluation"] = [str(f) for f in sorted(sheets_dir.glob("sheet*.*"))] + [
+            str(sheets_dir / "key.json"),
+            f"{summary['items']} comparisons, {summary['examples_per_domain']} examples per domain, seed {pred_seed} runs",
         ]
     else:
         sheets_dir.mkdir(parents=True, exist_ok=True)
@@ -296,10 +297,10 @@ def readme(index: dict[str, Any], n_planned: int, out: Path) -> str:
         "",
         "## Human evaluation",
         "",
-        "Blind sheets: `reports/human_eval/sheets/` (give annotators `sheet.html` or `sheet.csv`, never "
-        "`key.json`). Copy the sheets elsewhere, fill the `judgement` column (A, B or tie) or download it from "
-        "the HTML page as `sheet_<name>.csv`; keep the `kit` column (the kit's id: a sheet without it, or of "
-        "another kit, is refused), then run "
+        "Blind sheets: `reports/human_eval/sheets/` (give each annotator one `sheet<k>.html` or `sheet<k>.csv`, "
+        "each shows an example once; never `key.json`). Copy the sheets elsewhere, fill the `judgement` column "
+        "(A, B or tie) or download it from the HTML page as `sheet<k>_<name>.csv`; keep the `kit` column (the "
+        "kit's id: a sheet without it, or of another kit, is refused), then run "
         "`python -m pipeline.report human --sheets DIR` -> `reports/human_eval/results.json` and "
         "`reports/human_eval/human_eval.png` (paper: SelectKD vs FedAvg 52 wins, 4 ties, 4 losses of 60).",
         "",
