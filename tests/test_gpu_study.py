@@ -1151,3 +1151,12 @@ def test_a_reimport_after_a_cut_import_leaves_one_run_of_the_record_not_an_orpha
     children = client.search_runs(experiments, "tags.`mlflow.parentRunId` LIKE '%'")
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {run_id}
     assert sorted(r.data.tags["client"] for r in children) == clients
+
+
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_a_study_call_of_no_train_process_is_one_usage_line_before_any_work(tmp_path, capsys, n):
+    work = tmp_path / "work"
+    with pytest.raises(SystemExit) as exit_:
+        device.main(["run", "--work", str(work), "--out", str(tmp_path / "out"), "--train-processes", n])
+    assert exit_.value.code == 2 and f"--train-processes {n}: give 1 or more" in capsys.readouterr().err
+    assert not work.exists() and not (tmp_path / "out").exists()

@@ -717,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("evaluate", help="the evaluate stage of several experiments in one process (step 5)")
     ev.add_argument("--experiment", action="append", required=True)
     args = ap.parse_args(argv)
+    if args.command == "run" and args.train_processes < 1:  # a typo would end the lease's call in a ZeroDivisionError
+        ap.error(f"--train-processes {args.train_processes}: give 1 or more")
     if args.command == "evaluate":
         evaluate_all(args.experiment)
         return 0
