@@ -659,7 +659,9 @@ def test_hard_kd_minus_selectkd_is_taken_over_the_seeds_both_evaluated(tmp_path)
     assert out["hardkd_minus_selectkd_avg_rouge"] == {"Product": pytest.approx(18.0 - 20.0)}
 
 
-@pytest.mark.parametrize(("value", "shown"), [(None, "None"), ("n/a", "'n/a'"), ([30.0], r"\[30\.0\]")])
+@pytest.mark.parametrize(
+    ("value", "shown"), [(None, "None"), ("n/a", "'n/a'"), ([30.0], r"\[30\.0\]"), (True, "True"), (False, "False")]
+)
 def test_a_score_that_is_no_number_is_one_error_naming_the_file_client_and_metric(tmp_path, value, shown):
     # a hand-edited or imported metrics.json whose ROUGE is null: one DataError line for the report and analyze
     # stages (pipeline.common.cli), not float()'s TypeError naming no file

@@ -45,7 +45,7 @@ def read_eval_metrics(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, f
     for client, scores in data["clients"].items():
         if missing := [m for m in METRICS if m not in scores]:
             raise DataError(f"{path}: client {client!r} lacks {missing}")
-        if bad := [m for m in TABLE_METRICS if not isinstance(scores[m], (int, float))]:  # null: a hand edit
+        if bad := [m for m in TABLE_METRICS if type(scores[m]) not in (int, float)]:  # null, a bool: hand edits
             raise DataError(f"{path}: client {client!r} has {bad[0]} = {scores[bad[0]]!r}, not a number")
     three = {str(c): {m: float(s[m]) for m in TABLE_METRICS} for c, s in data["clients"].items()}
     return data, {c: t | {"avg_rouge": average_rouge(t)} for c, t in three.items()}
