@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
             if missing := [k for k in ("experiment", "clients", "mean") if k not in metrics]:
                 raise DataError(f"{path}: not an evaluation record (missing {missing})")
             # every score it logs, checked before a run is opened (a traceback mid-logging left that run RUNNING)
-            scores = [metrics["mean"], *(metrics["clients"].values() if isinstance(metrics["clients"], dict) else [0])]
-            if not all(isinstance(s, dict) and set(SCORE_KEYS) <= set(s) for s in scores):
+            if not isinstance(metrics["clients"], dict) or not all(
+                isinstance(s, dict) and set(SCORE_KEYS) <= set(s)
+                for s in [metrics["mean"], *metrics["clients"].values()]
+            ):
                 raise DataError(f"{path}: not an evaluation record ('mean' and each client need {list(SCORE_KEYS)})")
             # what names it: its training run's tags, if its study holds that run (evaluated with `--no-mlflow`)
             record = {k: str(metrics[k]) for k in ("method", "partition", "seed") if metrics.get(k) is not None}

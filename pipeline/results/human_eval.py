@@ -151,30 +151,31 @@ def make_sheets(
     sheets = [[(ex, opponents[(i + j) % len(opponents)]) for i, ex in enumerate(chosen)] for j in range(len(opponents))]
     for pairs in sheets:
         rng.shuffle(pairs)  # annotators must not see one method's items in a block
-    rows: list[dict[str, str]] = []
+    sheet_rows: list[list[dict[str, str]]] = []  # per sheet, its rows (every column but the kit)
     items: dict[str, dict[str, str]] = {}  # key.json's: item id -> its KeyEntry
-    for idx, (ex, opp) in enumerate(itertools.chain(*sheets)):
-        t, o = predictions[target][ex], predictions[opp][ex]
-        target_side = rng.choice(("A", "B"))
-        a, b = (t, o) if target_side == "A" else (o, t)
-        item_id = f"item{idx + 1:04d}"
-        sheet_row = (item_id, t.domain, queries.get(ex, ""), t.reference, a.prediction, b.prediction, "", "")
-        rows.append(dict(zip(SHEET_COLUMNS[:-1], sheet_row, strict=True)))
-        items[item_id] = asdict(KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment))
+    for pairs in sheets:
+        sheet_rows.append([])
+        for ex, opp in pairs:
+            t, o = predictions[target][ex], predictions[opp][ex]
+            target_side = rng.choice(("A", "B"))
+            a, b = (t, o) if target_side == "A" else (o, t)
+            item_id = f"item{len(items) + 1:04d}"
+            sheet_row = (item_id, t.domain, queries.get(ex, ""), t.reference, a.prediction, b.prediction, "", "")
+            sheet_rows[-1].append(dict(zip(SHEET_COLUMNS[:-1], sheet_row, strict=True)))
+            items[item_id] = asdict(KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment))
     # the kit's id (a hash of what it shows and of its answers) in every row and key.json: score_sheets refuses a
     # sheet of another kit (another build's summaries, seed or runs), whose items have the same ids; 12 hex of the
     # sha256 holding a-d or f: a spreadsheet reads 000123456789 or 1234567890e1 as a number and saves it changed
-    digest = hashlib.sha256(json.dumps([rows, items]).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps([list(itertools.chain(*sheet_rows)), items]).encode()).hexdigest()
     kit = next(k for k in (digest[i : i + 12] for i in range(53)) if set(k) & set("abcdf"))
-    rows = [r | {"kit": kit} for r in rows]
 
     for old in [*out.glob("sheet*.csv"), *out.glob("sheet*.html")]:  # another kit's sheets, never to hand out
         old.unlink()
-    for j, size in enumerate(len(pairs) for pairs in sheets):
-        part, rows = rows[:size], rows[size:]
+    for j, rows in enumerate(sheet_rows, 1):
+        part = [r | {"kit": kit} for r in rows]
         table = pd.DataFrame(part, columns=SHEET_COLUMNS)
-        atomic.to_csv(table, out / f"sheet{j + 1}.csv", index=False, lineterminator="\r\n")
-        atomic.write_text(out / f"sheet{j + 1}.html", _html_page(part, kit, f"sheet{j + 1}"))
+        atomic.to_csv(table, out / f"sheet{j}.csv", index=False, lineterminator="\r\n")
+        atomic.write_text(out / f"sheet{j}.html", _html_page(part, kit, f"sheet{j}"))
     atomic.write_json(out / "key.json", {"target": target, "seed": seed, "kit": kit, "items": items})
     summary = {
         "target": target,
