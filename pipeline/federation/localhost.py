@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -16,7 +15,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.common import atomic, cli
@@ -73,7 +72,7 @@ def server_run_config(params_file: str, experiment: str) -> dict[str, str | floa
     return {
         "round-timeout-s": settings.round_timeout_s,
         "admission-timeout-s": settings.admission_timeout_s,
-        "decoding": json.dumps(dataclasses.asdict(decoding)),
+        "decoding": json.dumps(asdict(decoding)),
     }
 
 
