@@ -349,10 +349,10 @@ def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_po
     from pipeline.training.client_training import gate_rows
 
     batch = _labelled([3, -100], [4, 5])
-    entropy = torch.tensor([[0.5, 9.0], [1.5, 2.5]])
-    gate = torch.tensor([[True, True], [False, True]])
+    entropy = torch.tensor([0.5, 1.5, 2.5])  # the rows of its target tokens (labels 3, 4, 5), row-major
+    gate = torch.tensor([True, False, True])
     later = _labelled([6, 7, -100])  # a second micro-batch of another shape: its rows follow the first's
-    parts = [(batch, entropy, gate), (later, torch.tensor([[3.0, 4.0, 5.0]]), torch.tensor([[False, True, True]]))]
+    parts = [(batch, entropy, gate), (later, torch.tensor([3.0, 4.0]), torch.tensor([False, True]))]
     rows = gate_rows(parts, "Academic", 7)
     assert rows["client"].tolist() == ["Academic"] * 5 and str(rows["client"].dtype) == "string"
     assert rows["round"].tolist() == [7] * 5

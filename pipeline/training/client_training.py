@@ -195,8 +195,8 @@ def train_local(
         local.requires_grad_(False)
     sums = _round_sums([out for _, out in done.outputs])
     tokens = max(sums["tokens"], 1)
-    # entropy and gate carry no gradient; the gate is False on padding (a CE round has none: an empty log)
-    gated = [(b, out.entropy, out.gate) for b, out in done.outputs] if kd.mode != "ce" else []
+    # entropy and gate carry no gradient (a CE round has none: an empty log)
+    gated = [(b, out.entropy_rows, out.gate_rows) for b, out in done.outputs] if kd.mode != "ce" else []
     return LocalTrainResult(
         n_examples=len(examples),
         n_steps=done.n_steps,
@@ -266,13 +266,13 @@ def empty_gate_log() -> pd.DataFrame:
 
 def gate_rows(parts: list[tuple[Batch, torch.Tensor, torch.Tensor]], client: str, rnd: int) -> pd.DataFrame:
     """The gate log of a round, one row per trained target token: ``parts`` holds each micro-batch's (batch, entropy
-    [B, T], gate [B, T]) in step order; read from the device once (one frame for the round)."""
+    [N], gate [N]: LossOutput's rows, its non-padding target tokens row-major) in step order; read from the device
+    once (one frame for the round)."""
     if not parts:
         return empty_gate_log()
-    valid = [(b.labels != IGNORE_INDEX).numpy() for b, _, _ in parts]
-    where = [np.nonzero(v) for v in valid]
-    entropy = torch.cat([e.float()[torch.from_numpy(v).to(e.device)] for (_, e, _), v in zip(parts, valid)])
-    gate = torch.cat([g[torch.from_numpy(v).to(g.device)] for (_, _, g), v in zip(parts, valid)])
+    where = [np.nonzero((b.labels != IGNORE_INDEX).numpy()) for b, _, _ in parts]
+    entropy = torch.cat([e for _, e, _ in parts])
+    gate = torch.cat([g for _, _, g in parts])
     return pd.DataFrame(
         {
             "client": [client] * len(entropy),
