@@ -280,7 +280,7 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # validation loss of the other clients; human-evaluation sheets that show an example once (the repeated text marked
 # SelectKD's side); no partial site kit; a reaped process not signalled by its old pid; a fresh deployed run takes no
 # earlier run's per-round evaluations; LoggedModels not doubled by a rerun; a global adapter refused for scoring.
-PACKAGE_LINE_CEILING = 14_714
+PACKAGE_LINE_CEILING = 14_711
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
