@@ -31,14 +31,14 @@ def _loss(tau: float, lam: float = 0.2):
 
 def test_the_margin_gate_distils_where_the_teacher_clearly_prefers_one_word():
     out = _loss(0.3)
-    assert out.gate.tolist() == [[True, False, False]] and n_kd(out) == 1 and out.threshold == pytest.approx(0.3)
+    assert out.gate_rows.tolist() == [True, False, False] and n_kd(out) == 1 and out.threshold == pytest.approx(0.3)
     # uniform student: CE = ln 3 on every token; KL(q_g || q_l) = ln 3 - H(q_g) on the distilled one
     h = -sum(p * math.log(p) for p in TEACHER[0])
     kl = math.log(3) - h
     expected = ((1 - 0.2) * math.log(3) + 0.2 * kl + math.log(3) + math.log(3)) / 3
     assert out.loss.item() == pytest.approx(expected, rel=1e-6)
     assert float(out.means(n_kd(out))[2]) == pytest.approx(kl, rel=1e-6)
-    assert _loss(0.04).gate.tolist() == [[True, True, False]]  # 0.05 >= 0.04; a tie at the top has margin 0
+    assert _loss(0.04).gate_rows.tolist() == [True, True, False]  # 0.05 >= 0.04; a tie at the top has margin 0
     assert n_kd(_loss(0.6)) == 0
 
 

@@ -66,7 +66,7 @@ def test_runs_sharing_micro_batches_train_stacked_and_each_as_alone(ws, monkeypa
         losses = sum(float(o.loss) * o.n_tokens for _, o in out.outputs) / sum(o.n_tokens for _, o in out.outputs)
         assert losses == pytest.approx(result.train_loss, rel=1e-6), method
         if job.teacher is not None:
-            log = gate_rows([(b, o.entropy, o.gate) for b, o in out.outputs], CLIENT, 1)
+            log = gate_rows(out.outputs, CLIENT, 1)
             assert log["kd_applied"].tolist() == result.gate_log["kd_applied"].tolist(), method
             assert log["entropy"].to_numpy() == pytest.approx(result.gate_log["entropy"].to_numpy(), abs=1e-5)
         if method == "fedprox":
@@ -111,7 +111,7 @@ def test_rounds_with_other_micro_batches_train_stacked_padded_and_each_as_alone(
         mean = sum(float(o.loss) * o.n_tokens for _, o in out.outputs) / sum(o.n_tokens for _, o in out.outputs)
         assert mean == pytest.approx(result.train_loss, rel=1e-5)
         if job.teacher is not None:
-            log = gate_rows([(b, o.entropy, o.gate) for b, o in out.outputs], CLIENT, job.rnd)
+            log = gate_rows(out.outputs, CLIENT, job.rnd)
             assert log["kd_applied"].tolist() == result.gate_log["kd_applied"].tolist()
 
 

@@ -13,6 +13,7 @@ is a function of (seed, client, round).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -349,10 +350,11 @@ def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_po
     from pipeline.training.client_training import gate_rows
 
     batch = _labelled([3, -100], [4, 5])
-    entropy = torch.tensor([[0.5, 9.0], [1.5, 2.5]])
-    gate = torch.tensor([[True, True], [False, True]])
+    # a loss output's rows of its target tokens (labels 3, 4, 5), row-major
+    out = SimpleNamespace(entropy_rows=torch.tensor([0.5, 1.5, 2.5]), gate_rows=torch.tensor([True, False, True]))
     later = _labelled([6, 7, -100])  # a second micro-batch of another shape: its rows follow the first's
-    parts = [(batch, entropy, gate), (later, torch.tensor([[3.0, 4.0, 5.0]]), torch.tensor([[False, True, True]]))]
+    later_out = SimpleNamespace(entropy_rows=torch.tensor([3.0, 4.0]), gate_rows=torch.tensor([False, True]))
+    parts = [(batch, out), (later, later_out)]
     rows = gate_rows(parts, "Academic", 7)
     assert rows["client"].tolist() == ["Academic"] * 5 and str(rows["client"].dtype) == "string"
     assert rows["round"].tolist() == [7] * 5

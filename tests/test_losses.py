@@ -39,6 +39,11 @@ KL1, KL2, KL3 = 0.25 * L(2), 0.8 * L(1.6) + 0.2 * L(0.4), (2 * L(5 / 3) + L(5 / 
 LAM = 0.2
 
 
+def grid(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A loss output's per-token rows laid out like ``labels`` [B, T] (0 / False on padding)."""
+    return torch.zeros(labels.shape, dtype=rows.dtype).masked_scatter(labels != -100, rows)
+
+
 def n_kd(out: LossOutput) -> int:
     """The gated tokens of a loss output (the trainers read them in one transfer a round)."""
     return int(out.gate_rows.sum())
@@ -88,12 +93,12 @@ def test_token_entropy_nats_and_bits(example):
 def test_selective_kd_matches_hand_computation(example, tau, expected_gate, expected_loss):
     student, teacher, labels = example
     out = distillation_loss(student, teacher, labels, KDConfig(mode="selective", kd_lambda=LAM, tau=tau))
-    assert out.gate.tolist() == expected_gate
+    assert grid(out.gate_rows, labels).tolist() == expected_gate
     assert out.loss.item() == pytest.approx(expected_loss, abs=1e-5)
     assert out.n_tokens == 3
     assert n_kd(out) == sum(map(sum, expected_gate))
     assert float(out.means(n_kd(out))[1]) == pytest.approx((CE1 + CE2 + CE3) / 3, abs=1e-5)
-    assert out.entropy[1, 1].item() == 0.0  # padding carries no entropy record
+    assert out.entropy_rows.shape == (3,)  # one entropy a non-padding token: padding has none
 
 
 def test_kd_and_ce_modes(example):
@@ -103,7 +108,7 @@ def test_kd_and_ce_modes(example):
     assert float(kd.means(n_kd(kd))[2]) == pytest.approx((KL1 + KL2 + KL3) / 3, abs=1e-5)
     ce = distillation_loss(student, teacher, labels, KDConfig(mode="ce", tau=100.0))
     assert ce.loss.item() == pytest.approx((CE1 + CE2 + CE3) / 3, abs=1e-5)
-    assert not ce.gate.any() and float(ce.means(n_kd(ce))[2]) == 0.0
+    assert not ce.gate_rows.any() and float(ce.means(n_kd(ce))[2]) == 0.0
     # CE needs no teacher at all
     assert distillation_loss(student, None, labels, KDConfig(mode="ce")).loss.item() == pytest.approx(ce.loss.item())
     with pytest.raises(ValueError, match="teacher"):
@@ -114,7 +119,7 @@ def test_hard_mode_uses_the_mask_only(example):
     student, teacher, labels = example
     mask = torch.tensor([[True, False], [True, True]])  # the padding position must stay off
     out = distillation_loss(student, teacher, labels, KDConfig(mode="hard", kd_lambda=LAM), hard_mask=mask)
-    assert out.gate.tolist() == [[True, False], [True, False]]
+    assert grid(out.gate_rows, labels).tolist() == [[True, False], [True, False]]
     assert out.loss.item() == pytest.approx(((1 - LAM) * (CE1 + CE3) + LAM * (KL1 + KL3) + CE2) / 3, abs=1e-5)
 
 
@@ -244,8 +249,8 @@ def test_fused_loss_equals_plain_autograd(mode, temperature, direction, normalis
         (out.loss * 0.5).backward()  # a scaled loss (gradient accumulation) scales the gradient
         assert out.loss.item() == pytest.approx(ref_loss.item(), abs=1e-5)
         torch.testing.assert_close(leaf.grad, 0.5 * ref_in.grad, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(out.entropy, ref_entropy.detach(), atol=1e-4, rtol=1e-5)
-        assert torch.equal(out.gate, ref_gate)
+        torch.testing.assert_close(out.entropy_rows, ref_entropy.detach()[valid], atol=1e-4, rtol=1e-5)
+        assert torch.equal(out.gate_rows, ref_gate[valid])
         assert n_kd(out) == int(ref_gate.sum())
 
 
@@ -287,7 +292,7 @@ def test_portable_gates_match_hand_computation(example, scale, tau, expected_gat
     out = distillation_loss(
         student, teacher, labels, KDConfig(mode="selective", kd_lambda=LAM, tau=tau, tau_scale=scale)
     )
-    assert out.gate.tolist() == expected_gate
+    assert grid(out.gate_rows, labels).tolist() == expected_gate
     assert float(out.threshold) == pytest.approx(expected_threshold, abs=1e-5)
 
 
@@ -295,7 +300,7 @@ def test_max_entropy_gate_in_bits_is_the_same_gate(example):
     student, teacher, labels = example
     nats = distillation_loss(student, teacher, labels, KDConfig(tau=0.9, tau_scale="max_entropy"))
     bits = distillation_loss(student, teacher, labels, KDConfig(tau=0.9, tau_scale="max_entropy", entropy_log_base="2"))
-    assert nats.gate.tolist() == bits.gate.tolist()
+    assert nats.gate_rows.tolist() == bits.gate_rows.tolist()
     assert bits.threshold == pytest.approx(0.9 * math.log2(3), abs=1e-6)
 
 
@@ -313,17 +318,17 @@ def test_the_default_config_is_the_papers_lambda_and_tau(example):
     """METHOD.md: lambda 0.2, tau 5 nats. All three example tokens have H < 5, so all get KD."""
     student, teacher, labels = example
     out = distillation_loss(student, teacher, labels, KDConfig())
-    assert out.gate.tolist() == [[True, True], [True, False]] and out.threshold == 5.0
+    assert grid(out.gate_rows, labels).tolist() == [[True, True], [True, False]] and out.threshold == 5.0
     expected = sum(0.8 * ce + 0.2 * kl for ce, kl in ((CE1, KL1), (CE2, KL2), (CE3, KL3))) / 3
     assert out.loss.item() == pytest.approx(expected, abs=1e-5)
     # keyword settings reach the config: tau 1.05 nats = 1.515 bits sits between H1 = 1.5 and H3 = 1.585 bits
     bits = distillation_loss(student, teacher, labels, KDConfig(kd_lambda=0.5, tau=1.55, entropy_log_base="2"))
-    assert bits.gate.tolist() == [[True, True], [False, False]]
+    assert grid(bits.gate_rows, labels).tolist() == [[True, True], [False, False]]
     expected = (0.5 * (CE1 + KL1) + 0.5 * (CE2 + KL2) + CE3) / 3
     assert bits.loss.item() == pytest.approx(expected, abs=1e-5)
     mask = torch.tensor([[False, True], [True, True]])
     hard = distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=mask)
-    assert hard.gate.tolist() == [[False, True], [True, False]]  # the mask, never on padding
+    assert grid(hard.gate_rows, labels).tolist() == [[False, True], [True, False]]  # the mask, never on padding
     assert hard.loss.item() == pytest.approx((CE1 + 0.8 * CE2 + 0.2 * KL2 + 0.8 * CE3 + 0.2 * KL3) / 3, abs=1e-5)
     seq = distillation_loss(
         student, teacher, labels, KDConfig(mode="hard", kd_lambda=1.0, loss_normalisation="sequences"), hard_mask=mask
@@ -339,7 +344,7 @@ def test_max_entropy_threshold_depends_on_the_vocabulary_not_the_batch(n_tokens)
     labels = torch.zeros(1, n_tokens, dtype=torch.long)
     out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.5, tau_scale="max_entropy"))
     assert out.threshold == pytest.approx(0.5 * L(v), abs=1e-6)
-    assert out.gate.tolist() == (token_entropy(teacher) < 0.5 * L(v)).tolist()
+    assert out.gate_rows.tolist() == (token_entropy(teacher) < 0.5 * L(v))[0].tolist()
 
 
 def test_batch_quantile_gate_in_bits_is_the_same_gate(example):
@@ -348,7 +353,8 @@ def test_batch_quantile_gate_in_bits_is_the_same_gate(example):
     bits = distillation_loss(
         student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile", entropy_log_base="2")
     )
-    assert nats.gate.tolist() == bits.gate.tolist() == [[True, True], [False, False]]
+    assert torch.equal(nats.gate_rows, bits.gate_rows)
+    assert grid(bits.gate_rows, labels).tolist() == [[True, True], [False, False]]
     assert float(bits.threshold) == pytest.approx((H1 + H3) / 2 / L(2), abs=1e-5)  # the same quantile, in bits
 
 
@@ -377,7 +383,12 @@ def test_ce_without_a_teacher_trains_the_student_with_the_ce_gradient(example):
         expected[b, t] = (q[b, t] - torch.nn.functional.one_hot(torch.tensor(y), 3)) / 3
     torch.testing.assert_close(leaf.grad, expected, atol=1e-6, rtol=1e-5)
     assert out.loss.item() == pytest.approx((CE1 + CE2 + CE3) / 3, abs=1e-5)
-    assert n_kd(out) == 0 and not out.gate.any() and not out.entropy.any() and float(out.means(n_kd(out))[2]) == 0.0
+    assert (
+        n_kd(out) == 0
+        and not out.gate_rows.any()
+        and not out.entropy_rows.any()
+        and float(out.means(n_kd(out))[2]) == 0.0
+    )
 
 
 # ----------------------------------------------------------------------------------- bad input: one clear line
@@ -436,7 +447,8 @@ def test_hard_mask_may_be_given_as_zeros_and_ones(example):
     as_int = distillation_loss(
         student, teacher, labels, KDConfig(mode="hard"), hard_mask=torch.tensor([[1, 0], [1, 1]])
     )
-    assert as_int.gate.tolist() == as_bool.gate.tolist() == [[True, False], [True, False]]
+    assert torch.equal(as_int.gate_rows, as_bool.gate_rows)
+    assert grid(as_int.gate_rows, labels).tolist() == [[True, False], [True, False]]
     assert as_int.loss.item() == as_bool.loss.item()
 
 
@@ -450,7 +462,7 @@ def test_unpadded_batches_and_empty_sequences_give_the_same_loss():
         full = distillation_loss(student, teacher, labels, cfg)
         packed = distillation_loss(student.reshape(6, 5), teacher.reshape(6, 5), labels, cfg)
         assert full.loss.item() == pytest.approx(packed.loss.item(), abs=1e-6)
-        assert full.entropy.shape == (2, 3) and full.n_tokens == 6
+        assert full.entropy_rows.shape == (6,) and full.n_tokens == 6
         padded_labels = torch.cat([labels, torch.full((1, 3), -100)])
         padded = distillation_loss(
             torch.cat([student, student[:1]]), torch.cat([teacher, teacher[:1]]), padded_labels, cfg
@@ -480,7 +492,7 @@ def test_only_the_loss_carries_a_gradient(example):
     student, teacher, labels = example
     out = distillation_loss(student.clone().requires_grad_(True), teacher, labels, KDConfig(mode="kd"))
     assert out.loss.requires_grad
-    assert not out.entropy.requires_grad and not out.gate.requires_grad  # diagnostics, not part of the graph
+    assert not out.entropy_rows.requires_grad and not out.gate_rows.requires_grad  # diagnostics, not part of the graph
 
 
 def test_loss_chunks_are_small_on_a_cpu_and_large_elsewhere_within_their_memory_budget():
@@ -540,11 +552,11 @@ def test_several_runs_in_one_call_give_each_run_what_it_gives_alone_to_the_bit(c
         alone = distillation_loss(leaf, teacher[s:e] if r < 6 else None, labels[r], cfg, hard[r])
         (alone.loss * weights[r]).backward()
         assert torch.equal(out.loss, alone.loss), r
-        for name in ("ce_rows", "kl_rows", "gate_rows", "entropy", "gate"):
+        for name in ("ce_rows", "kl_rows", "gate_rows", "entropy_rows"):
             assert torch.equal(getattr(out, name), getattr(alone, name)), (r, name)
         assert out.n_tokens == alone.n_tokens and str(out.threshold) == str(alone.threshold), r
         assert torch.equal(student.grad[s:e], leaf.grad), r
-    assert outs[5].entropy.sum() > 0 and outs[6].entropy.sum() == 0
+    assert outs[5].entropy_rows.sum() > 0 and outs[6].entropy_rows.sum() == 0
 
 
 def test_runs_of_other_temperatures_in_one_call_are_each_computed_alone():
@@ -582,7 +594,7 @@ def test_batch_quantile_gates_the_tau_share_of_tokens_below_the_quantile_of_the_
     out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.5, tau_scale="batch_quantile"))
     logp = torch.log_softmax(teacher.double(), -1)
     h = -(logp.exp() * logp).sum(-1)[0]
-    assert out.gate[0].tolist() == (h == h.min()).tolist() == [False, False, True]
+    assert out.gate_rows.tolist() == (h == h.min()).tolist() == [False, False, True]
     assert n_kd(out) == 1
     assert float(out.threshold) == pytest.approx(float(h.median()), abs=1e-4)
 
@@ -595,7 +607,7 @@ def test_the_batch_quantile_gate_leaves_its_threshold_where_it_was_computed(exam
     monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(t) or t.item())
     out = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile"))
     assert reads == [] and isinstance(out.threshold, torch.Tensor)
-    assert out.gate.tolist() == [[True, True], [False, False]]
+    assert grid(out.gate_rows, labels).tolist() == [[True, True], [False, False]]
 
 
 def test_selective_kd_with_the_hard_kd_mask_gate_fails_at_planning_naming_the_key():

@@ -66,8 +66,7 @@ class LossOutput:
     ce_rows: torch.Tensor  # [N] CE per non-padding token
     kl_rows: torch.Tensor  # [N] KL per non-padding token (0 where not gated)
     gate_rows: torch.Tensor  # [N] bool, KD applied
-    entropy: torch.Tensor  # [B, T] H(q_g) (0 where padding or no teacher)
-    gate: torch.Tensor  # [B, T] bool, KD applied (False on padding)
+    entropy_rows: torch.Tensor  # [N] H(q_g) per non-padding token (0 where no teacher)
     n_tokens: int  # non-padding target tokens
     threshold: float | torch.Tensor = float("nan")  # what the gate compared with (log_base units; a quantile: a tensor)
 
@@ -176,9 +175,9 @@ def distillation_loss(
     cfg: KDConfig,
     hard_mask: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The batch loss of the module docstring and per-token (entropy, gate) [B, T]. The logits are [B, T, V]
-    (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in float32, :func:`chunk_rows_for`
-    rows at a time (rows are independent: the chunking changes no result)."""
+    """The batch loss of the module docstring and per-token rows (entropy, gate ...: the labels' non-padding tokens,
+    row-major). The logits are [B, T, V] (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in
+    float32, :func:`chunk_rows_for` rows at a time (rows are independent: the chunking changes no result)."""
     valid = labels != IGNORE_INDEX
     z_l = _pack(logits_local, valid, "logits_local")
     z_g = _pack(logits_global.detach(), valid, "logits_global") if logits_global is not None else None
@@ -245,14 +244,8 @@ def distillation_losses(
     spans = list(zip(starts, starts[1:]))
     args = (z_l, z_g, y, row_weight, gate_p, lam, lam_off, float(t), direction, spans, run_of_row)
     loss, ce, kl = _FusedDistillation.apply(*args, chunk_rows, torch.is_grad_enabled() and z_l.requires_grad)
-    # [B, T] per run: every run's rows scattered in one pass into one buffer, each run's labels' shape a view of it
-    ends = torch.tensor([y.numel() for y in labels]).cumsum(0).tolist()
-    at = torch.cat([v.flatten().nonzero().squeeze(1) + (end - v.numel()) for v, end in zip(valids, ends)])
-    at = at.to(dev, non_blocking=True)  # indices: no sync on a device
-    scattered = [torch.zeros(ends[-1], device=dev, dtype=x.dtype).index_copy_(0, at, x) for x in (entropy_p, gate_p)]
-    views = [[x[end - y.numel() : end].view(y.shape) for x in scattered] for y, end in zip(labels, ends)]
     return loss, [
-        LossOutput(loss[r], ce[s:e], kl[s:e], gate_p[s:e], *views[r], counts[r], thresholds[r])
+        LossOutput(loss[r], ce[s:e], kl[s:e], gate_p[s:e], entropy_p[s:e], counts[r], thresholds[r])
         for r, (s, e) in enumerate(spans)
     ]
 

@@ -195,8 +195,6 @@ def train_local(
         local.requires_grad_(False)
     sums = _round_sums([out for _, out in done.outputs])
     tokens = max(sums["tokens"], 1)
-    # entropy and gate carry no gradient; the gate is False on padding (a CE round has none: an empty log)
-    gated = [(b, out.entropy, out.gate) for b, out in done.outputs] if kd.mode != "ce" else []
     return LocalTrainResult(
         n_examples=len(examples),
         n_steps=done.n_steps,
@@ -206,7 +204,7 @@ def train_local(
         kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
         kd_fraction=sums["kd_tokens"] / tokens,
         proximal=done.proximal,
-        gate_log=gate_rows(gated, client, rnd),
+        gate_log=gate_rows(done.outputs if kd.mode != "ce" else [], client, rnd),  # a CE round: an empty log
         privacy=stepper.setting if stepper is not None else None,
         dp_examples=stepper.examples if stepper is not None else 0,
         dp_clipped=stepper.clipped if stepper is not None else 0,
@@ -264,24 +262,23 @@ def empty_gate_log() -> pd.DataFrame:
     return pd.DataFrame({column: pd.Series(dtype=dtype) for column, dtype in GATE_LOG_DTYPES.items()})
 
 
-def gate_rows(parts: list[tuple[Batch, torch.Tensor, torch.Tensor]], client: str, rnd: int) -> pd.DataFrame:
-    """The gate log of a round, one row per trained target token: ``parts`` holds each micro-batch's (batch, entropy
-    [B, T], gate [B, T]) in step order; read from the device once (one frame for the round)."""
-    if not parts:
+def gate_rows(outputs: list[tuple[Batch, LossOutput]], client: str, rnd: int) -> pd.DataFrame:
+    """The gate log of a round, one row per trained target token, from each micro-batch's (batch, its loss's entropy
+    and gate rows: no gradient) in step order; read from the device once (one frame for the round)."""
+    if not outputs:
         return empty_gate_log()
-    valid = [(b.labels != IGNORE_INDEX).numpy() for b, _, _ in parts]
-    where = [np.nonzero(v) for v in valid]
-    entropy = torch.cat([e.float()[torch.from_numpy(v).to(e.device)] for (_, e, _), v in zip(parts, valid)])
-    gate = torch.cat([g[torch.from_numpy(v).to(g.device)] for (_, _, g), v in zip(parts, valid)])
+    where = [np.nonzero((b.labels != IGNORE_INDEX).numpy()) for b, _ in outputs]  # the rows' tokens, row-major
+    entropy = torch.cat([out.entropy_rows for _, out in outputs])
+    gate = torch.cat([out.gate_rows for _, out in outputs])
     return pd.DataFrame(
         {
             "client": [client] * len(entropy),
             "round": rnd,
             "example_id": np.concatenate(
-                [np.asarray(b.example_ids, dtype=object)[i] for (b, _, _), (i, _) in zip(parts, where)]
+                [np.asarray(b.example_ids, dtype=object)[i] for (b, _), (i, _) in zip(outputs, where)]
             ),
             "position": np.concatenate([t for _, t in where]),
-            "token_id": np.concatenate([b.labels.numpy()[i, t] for (b, _, _), (i, t) in zip(parts, where)]),
+            "token_id": np.concatenate([b.labels.numpy()[i, t] for (b, _), (i, t) in zip(outputs, where)]),
             "entropy": entropy.cpu().numpy(),
             "kd_applied": gate.cpu().numpy(),
         }
