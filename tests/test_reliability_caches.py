@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import save_tiny
 
-from pipeline.common.integrity import RECORD_NAME, ModelDirError, backbone_name, sha256_dir
+from pipeline.common.integrity import RECORD_NAME, ModelDirError, backbone_name, read_record, sha256_dir
 from pipeline.modeling.adapters import AdapterConfig
 from pipeline.modeling.model import AdapterSummarizer
 
@@ -75,6 +75,27 @@ def test_a_record_that_is_not_an_object_gives_the_fallback_name(tmp_path):
     assert backbone_name(tmp_path, "bart-fallback") == "bart-fallback"
     (tmp_path / RECORD_NAME).write_bytes(b'{"name": "\xff"}')  # not UTF-8: was a UnicodeDecodeError traceback
     assert backbone_name(tmp_path, "bart-fallback") == "bart-fallback"
+
+
+RECORDS = {  # what is written as the record -> what read_record gives
+    "absent": (None, {}),
+    "a_directory": ("dir", {}),
+    "not_an_object": (b'["bart"]', {}),
+    "not_json": (b"{not json", {}),
+    "not_utf8": (b'{"name": "\xff"}', {}),
+    "an_object": (b'{"name": "bart"}', {"name": "bart"}),
+}
+
+
+@pytest.mark.parametrize("case", RECORDS)
+def test_the_lenient_record_reader_gives_an_object_or_nothing(tmp_path, case):
+    """read_record (backbone_name's and a run's input hash's reader); check_model_dir names each damage instead."""
+    content, expected = RECORDS[case]
+    if content == "dir":
+        (tmp_path / RECORD_NAME).mkdir()
+    elif content is not None:
+        (tmp_path / RECORD_NAME).write_bytes(content)
+    assert read_record(tmp_path) == expected
 
 
 def test_the_undamaged_copy_loads(saved, tmp_path):

@@ -1,6 +1,6 @@
 """Checks that a model directory (``models/backbone``) is whole before it is loaded: transformers fails on a damaged
 one with messages that name no file ("MetadataIncompleteBuffer"), :func:`check_model_dir` names the file and the
-problem; and the backbone's name as the backbone stage's record has it (:func:`backbone_name`)."""
+problem; and the backbone stage's record read leniently (:func:`read_record`) with its name (:func:`backbone_name`)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,11 @@ def check_model_dir(path: str | Path) -> None:
         raise ModelDirError(f"{d / 'config.json'}: missing; {d} is not a complete model directory; {FIX}")
     for f in sorted(d.glob("*.json")):
         try:
-            json.loads(f.read_text(encoding="utf-8"))
+            data = json.loads(f.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelDirError(f"{f}: damaged JSON ({exc}); {FIX}") from None
+        if f.name == RECORD_NAME and not isinstance(data, dict):  # valid JSON, of another kind
+            raise ModelDirError(f"{f}: not a JSON object (the backbone stage writes one); {FIX}")
     weights = sorted(d.glob("*.safetensors"))
     for f in weights:
         try:  # safetensors' own header check: a file cut short, padded or with a garbled header
@@ -54,25 +56,26 @@ def check_model_dir(path: str | Path) -> None:
             raise ModelDirError(f"{f}: damaged weights: {exc}; {FIX}") from None
     if not weights and not any(d.glob("*.bin")):
         raise ModelDirError(f"{d}: no weight file (*.safetensors or *.bin); {FIX}")
-    record = d / RECORD_NAME
-    if record.is_file():
-        if not isinstance(data := json.loads(record.read_text(encoding="utf-8")), dict):  # valid JSON, of another kind
-            raise ModelDirError(f"{record}: not a JSON object (the backbone stage writes one); {FIX}")
-        recorded = data.get("backbone_sha256")
-        if recorded and sha256_dir(d) != recorded:
-            raise ModelDirError(
-                f"{d}: file contents differ from backbone_sha256 recorded in {record} (a file was "
-                f"changed or damaged after the backbone stage wrote it); {FIX}"
-            )
+    recorded = read_record(d).get("backbone_sha256")
+    if recorded and sha256_dir(d) != recorded:
+        raise ModelDirError(
+            f"{d}: file contents differ from backbone_sha256 recorded in {d / RECORD_NAME} (a file was "
+            f"changed or damaged after the backbone stage wrote it); {FIX}"
+        )
+
+
+def read_record(directory: str | Path) -> dict:
+    """The backbone stage's record in ``directory``; {} when absent, not UTF-8, not JSON or not an object."""
+    try:
+        data = json.loads((Path(directory) / RECORD_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not UTF-8 or not JSON
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def backbone_name(backbone_dir: str | Path, fallback: str) -> str:
     """``name`` in the backbone directory's record (the tag and metric field that training, evaluation and the
     deployed server report), else ``fallback`` (no record, an unreadable one, or no name in it): training falls back
     to the backbone path, evaluation to the loaded model's type."""
-    record = Path(backbone_dir) / RECORD_NAME
-    try:
-        name = json.loads(record.read_text()).get("name") if record.is_file() else None
-    except (ValueError, AttributeError):  # not UTF-8, not JSON, or JSON that is not an object: no name
-        return fallback
+    name = read_record(backbone_dir).get("name")
     return str(name) if name else fallback

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pipeline.common import atomic
-from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
+from pipeline.common.integrity import file_hash, read_record, sha256_dir
 from pipeline.experiments.plans import Plan
 from pipeline.modeling.adapters import adapter_file, save_adapter
 
@@ -75,10 +75,7 @@ def _content_hash(path: Path, stats: tuple) -> str:
     content hash); once per process and version of the files (``stats``: their paths, mtimes and sizes)."""
     if path.is_file():
         return file_hash(path)
-    try:
-        return json.loads((path / RECORD_NAME).read_text()).get("backbone_sha256") or sha256_dir(path)
-    except (OSError, ValueError, AttributeError):  # no record, or a damaged one (loading the model names it)
-        return sha256_dir(path)
+    return read_record(path).get("backbone_sha256") or sha256_dir(path)
 
 
 def input_hash(path: str | Path) -> str:
