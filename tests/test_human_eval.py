@@ -318,3 +318,14 @@ def test_no_sheet_shows_an_example_twice(tmp_path):
         assert len(shown) == len(set(shown)) == 9, sheet.name
         pairs += [(key[r["item_id"]]["example_id"], key[r["item_id"]]["opponent"]) for r in read_sheet(sheet)]
     assert len(pairs) == len(set(pairs)) == 9 * 2 and {p[1] for p in pairs} == {"fedavg", "fedkd"}
+
+
+def test_items_are_numbered_in_reading_order_across_the_sheets(tmp_path):
+    # An annotator or coordinator finds "item 12" by counting: sheet1 holds item0001.., the next sheet goes on where
+    # the last stopped, and each sheet's page shows the items of its csv.
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=3, human_eval_seed=2), {}, {})
+    ids = [r["item_id"] for r in read_sheets(tmp_path)]
+    assert ids == [f"item{i:04d}" for i in range(1, 9 * 2 + 1)]
+    for sheet in sorted(tmp_path.glob("sheet[0-9]*.csv")):
+        page = sheet.with_suffix(".html").read_text()
+        assert all(r["item_id"] in page for r in read_sheet(sheet)), sheet.name
