@@ -3,7 +3,10 @@ A developer tool, so full lane only (marker `tools`)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +52,18 @@ def test_the_committed_historic_mutation_table_adds_up():
         made, killed, survived, equivalent = int(made), int(killed), int(survived), int(equivalent)
         assert killed + survived == made, module
         assert score == f"{100 * killed / (made - equivalent):.1f} %", module
+
+
+def test_mutmuts_copy_holds_every_local_package_its_tests_import():
+    # `make mutants` runs the selected tests inside mutmut's copy (mutants/): source_paths, tests/ and also_copy only.
+    # tests/test_compression imports benchmarks.communication, which the copy lacked: every mutant "failed to collect".
+    root = Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    copied = {Path(p).parts[0] for p in [*cfg["source_paths"], *cfg["also_copy"], "tests"]}
+    needed = set()
+    for test in (t for t in cfg["pytest_add_cli_args_test_selection"] if t.endswith(".py")):
+        for node in ast.walk(ast.parse((root / test).read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            needed |= {n.split(".")[0] for n in names if (root / n.split(".")[0]).is_dir()}
+    assert needed and needed <= copied, f"mutmut's copy lacks {sorted(needed - copied)}: add it to also_copy"
