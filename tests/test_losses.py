@@ -584,6 +584,30 @@ def test_runs_of_other_temperatures_in_one_call_are_each_computed_alone():
         distillation_losses(student, teacher[:1], labels, cfgs, hard)
 
 
+def test_two_kernels_in_one_call_give_every_kind_of_run_what_it_gives_alone():
+    """Two kernels (one run at temperature 2 beside six at 1) take the one-by-one path too: every run, hard KD with
+    its mask and plain CE without a teacher among them, gets its loss, rows and gradient as alone (mutation testing:
+    a path taken only above two kernels, or one that dropped the hard masks, passed the test of four kernels)."""
+    from pipeline.modeling.losses import distillation_losses
+
+    student, teacher, labels, cfgs, hard = _runs(torch.Generator().manual_seed(7))
+    cfgs[3] = KDConfig(mode="kd", kd_lambda=0.7, kd_temperature=2.0)
+    counts = [int((y != -100).sum()) for y in labels]
+    starts = [sum(counts[:r]) for r in range(len(counts) + 1)]
+    loss, outs = distillation_losses(student, teacher[: starts[6]], labels, cfgs, hard)
+    loss.sum().backward()
+    assert n_kd(outs[3]) > 0 and n_kd(outs[4]) > 0
+    for r, (out, cfg) in enumerate(zip(outs, cfgs)):
+        s, e = starts[r], starts[r + 1]
+        leaf = student.detach()[s:e].clone().requires_grad_(True)
+        alone = distillation_loss(leaf, teacher[s:e] if r < 6 else None, labels[r], cfg, hard[r])
+        alone.loss.backward()
+        assert torch.equal(out.loss, alone.loss), r
+        for name in ("ce_rows", "kl_rows", "gate_rows", "entropy_rows"):
+            assert torch.equal(getattr(out, name), getattr(alone, name)), (r, name)
+        assert torch.equal(student.grad[s:e], leaf.grad), r
+
+
 def test_batch_quantile_gates_the_tau_share_of_tokens_below_the_quantile_of_the_entropies_it_compares():
     """tau 0.5 over three tokens of distinct H(q_g) (float64: 9.82, 6.33, 1.68 nats): the threshold is the median H and
     only the token below it is distilled; the median token is not below itself. On a full-size vocabulary two float32
