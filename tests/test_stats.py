@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from scipy import stats as sps
@@ -211,6 +213,27 @@ def test_a_meeting_whose_queries_several_clients_hold_is_one_cluster_across_them
         [d[:, ::2], d[:, 1::2]], [zero[:, ::2], zero[:, 1::2]], CFG, clusters=[ids[::2], ids[1::2]]
     )
     assert split.high - split.low > 0.85 * (one.high - one.low)
+
+
+def test_beside_qmsum_queries_every_other_example_is_its_own_cluster():
+    # a client of AMI or SAMSum examples beside QMSum's (the extreme and cluster partitions): only a query's id loses
+    # its last part; a dialogue or meeting summary keeps its whole id, so two of them are never one cluster
+    ids = [["qmsum/Academic/test/Bed003/q0", "samsum/test/13862856", "samsum/test/13729565", "ami/test/ES2004a"]]
+    (got,) = meetings(ids)
+    assert got.tolist() == ["qmsum/Academic/test/Bed003", *ids[0][1:]]
+
+
+def test_the_recorded_bootstrap_method_names_the_unit_it_resampled():
+    # metrics.json ci.method and the claims say what was drawn: test examples without clusters, meetings with them
+    assert bootstrap_method(None).startswith("percentile bootstrap of the client average, test examples resampled")
+    assert "meetings (with all their queries) resampled" in bootstrap_method(meetings([["qmsum/A/test/M1/q0"]]))
+
+
+def test_an_interval_of_one_method_has_no_p_value():
+    # a p-value tests a difference against 0: one method's mean (paired=False) has none, with or without seeds
+    for scores in (np.arange(8.0), np.arange(16.0).reshape(2, 8)):
+        assert math.isnan(mean_interval([scores], CFG).p_value)
+        assert not math.isnan(mean_interval([scores - 3.5], CFG, paired=True).p_value)
 
 
 def test_the_recorded_bootstrap_method_says_meetings_held_by_several_clients_are_drawn_for_all():
