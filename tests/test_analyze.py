@@ -673,3 +673,16 @@ def test_a_score_that_is_no_number_is_one_error_naming_the_file_client_and_metri
     path.write_text(json.dumps({"clients": {"Product": scores}}))
     with pytest.raises(DataError, match=rf"metrics\.json: client 'Product' has rouge2 = {shown}, not a number$"):
         read_eval_metrics(path)
+
+
+@pytest.mark.parametrize("value", [None, True, 2.0, "3"])
+def test_a_best_round_that_is_no_integer_is_one_error_naming_the_file_and_client(tmp_path, value):
+    # int(True) is 1: a hand-edited train record's `true` read as round 1 would cut the KD usage ratio at round 1
+    from pipeline.results.readers import best_rounds
+
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({"clients": {"Product": {"best_round": 4}, "ES2002": {"best_round": value}}}))
+    with pytest.raises(DataError, match=r"metrics\.json: client 'ES2002' has no integer 'best_round'$"):
+        best_rounds(path)
+    path.write_text(json.dumps({"clients": {"Product": {"best_round": 4}, "ES2002": {"best_round": 1}}}))
+    assert best_rounds(path) == {"Product": 4, "ES2002": 1}

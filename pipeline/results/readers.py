@@ -92,8 +92,8 @@ def best_rounds(path: Path) -> dict[str, int]:
     clients = read_json(path, "train metrics").get("clients")
     if not isinstance(clients, dict) or not clients:
         raise DataError(f"{path}: no 'clients' mapping with per-client best rounds")
-    if bad := [c for c, rec in clients.items() if not isinstance(rec, dict) or rec.get("best_round") is None]:
-        raise DataError(f"{path}: client {bad[0]!r} has no 'best_round'")
+    if bad := [c for c, rec in clients.items() if not isinstance(rec, dict) or type(rec.get("best_round")) is not int]:
+        raise DataError(f"{path}: client {bad[0]!r} has no integer 'best_round'")  # a JSON true is no round 1
     return {str(c): int(rec["best_round"]) for c, rec in clients.items()}
 
 
