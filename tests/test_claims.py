@@ -955,3 +955,21 @@ def test_the_kd_usage_the_caveat_states_is_a_share_of_target_words_not_tokens():
     kd = {"tau": 5.0, "clients": usage}
     note = claims.backbone_note({"name": "tiny"}, kd)
     assert "distils on 25-75 % of target words at tau = 5.0, the paper's on 86-89 %" in note and "token" not in note
+
+
+def test_per_client_comparisons_none_of_which_has_a_p_value_are_said_untestable_not_closest():
+    """A client whose test examples are one meeting has no spread, so its paired interval and p are NaN
+    (stats.mean_interval); when every tested per-client comparison is such a one, there is no closest comparison to
+    name (pandas' idxmin raises on all-NaN, which ended the report stage) and no ordering is supported."""
+    rows = [
+        _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.001),
+        _row(method_a="fedavg", method_b="single", mean_diff=0.2, ci_low=-0.4, ci_high=0.8, p_value=0.4),
+        _row(method_a="fedavg", method_b="single", client="Product", mean_diff=1.2, ci_low=math.nan, ci_high=math.nan)
+        | {"p_value": math.nan, "p_holm": math.nan},
+    ]
+    text = claims.results_text(pd.DataFrame(rows))
+    assert (
+        "- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD has a p-value (each client's test "
+        "set is one meeting or one example: its spread is unknown); no ordering among them is supported."
+    ) in text
+    assert "closest" not in text

@@ -284,7 +284,9 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # gate log gathered back; gate_rows takes the trainers' (batch, loss) pairs; one dataclasses import), +2 for clarity
 # (make_sheets builds each sheet's rows in its loop; import-eval's record check as two plain conditions); one reader
 # of the backbone record for its two lenient users (0 net). Five readers found nothing else to remove by structure.
-PACKAGE_LINE_CEILING = 14_713
+# The twenty-ninth session: +5 for a fix: the claims' per-client line when no tested comparison has a p-value (each
+# client's test set one meeting) says so, where pandas' idxmin over all-NaN p ended the report stage.
+PACKAGE_LINE_CEILING = 14_718
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

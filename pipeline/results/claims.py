@@ -290,6 +290,11 @@ def _per_client(per_client: pd.DataFrame) -> list[str]:
     if tested.empty:  # every one below `report.claim_min_seeds`: no claim, of an ordering or of none
         seeds = _seeds(_span(sorted(set(fed_clients["n_seeds"].astype(int)))))
         return [f"- Per-client comparisons among AdaSingle, FedAvg, FedKD and SelectKD, {seeds}: numbers only."]
+    if sig.empty and tested["p_value"].isna().all():  # stats.mean_interval: a client of one meeting (or example)
+        return [
+            "- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD has a p-value (each client's test "
+            "set is one meeting or one example: its spread is unknown); no ordering among them is supported."
+        ]
     if sig.empty:
         c = _records(tested.loc[[tested["p_value"].idxmin()]])[0]
         return [
