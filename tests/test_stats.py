@@ -314,3 +314,124 @@ def test_seeds_with_their_own_test_examples_use_the_between_seed_variance_floore
     assert np.isnan(nested_interval(d, CFG, clusters, paired=False).p_value)
     one = paired_difference([x[None, :] for x in d[0]], [np.zeros((1, len(x))) for x in d[0]], CFG, clusters[0])
     assert nested_interval(d[:1], CFG, clusters[:1]) == one
+
+
+def _robust_sum(rows: list[np.ndarray], labels: list[list]) -> tuple[float, int]:
+    """Cluster-robust variance of the sum of the clients' means, summed over the rows (independent replications), and
+    the number of groups G: per row, each group's sum over the clients of (value - that client's mean) / its size,
+    squared and summed, times G / (G - 1) (docs/statistics.md: squared meeting sums, G / (G - 1))."""
+    groups = sorted({label for client in labels for label in client})
+    total = 0.0
+    for r in range(rows[0].shape[0]):
+        sums = dict.fromkeys(groups, 0.0)
+        for x, client in zip(rows, labels):
+            row = [float(v) for v in x[r]]
+            mean = sum(row) / len(row)
+            for value, label in zip(row, client):
+                sums[label] += (value - mean) / len(row)
+        total += sum(t * t for t in sums.values())
+    return len(groups) / (len(groups) - 1) * total, len(groups)
+
+
+def _seeds_t_by_hand(d: list[np.ndarray], clusters: list | None) -> tuple[tuple[float, ...], dict]:
+    """The several-seeds interval of the client average of ``d`` (one [seeds, examples] array a client), written out
+    from stats._seeds_t's docstring and docs/statistics.md: (estimate, low, high, p) and the variance's parts.
+    v_seed: the per-seed client averages' variance (ddof 1) / s; v_ex: the cluster-robust variance of the
+    seed-averaged scores' client average; v_res: the same of the seed x example residual (a - column mean - row mean
+    + grand mean), over s (s - 1) (with one example a cluster: the two-way ANOVA's MS_res / (s n)); the variance
+    v_seed + v_ex - v_res floored at max(v_seed, v_ex). Clusters are per client, or shared by all clients at once where
+    an id is in several clients' arrays; df_ex = groups - clients, Welch-Satterthwaite df."""
+    k, s = len(d), d[0].shape[0]
+    labels = [[(c, i) for i in range(x.shape[1])] for c, x in enumerate(d)] if clusters is None else clusters
+    shared = any(set(labels[i]).intersection(labels[j]) for i in range(k) for j in range(i + 1, k))
+    units = [list(range(k))] if shared else [[c] for c in range(k)]
+    by_seed = [sum(sum(x[j]) / x.shape[1] for x in d) / k for j in range(s)]
+    estimate = sum(by_seed) / s
+    v_seed = sum((b - estimate) ** 2 for b in by_seed) / (s - 1) / s
+    seed_means = [np.array([[sum(x[:, i]) / s for i in range(x.shape[1])]]) for x in d]
+    resid = []
+    for x in d:
+        rows, cols, grand = x.mean(axis=1), x.mean(axis=0), x.mean()
+        resid.append(np.array([[x[j, i] - cols[i] - rows[j] + grand for i in range(x.shape[1])] for j in range(s)]))
+    v_ex = v_res = 0.0
+    n_groups = 0
+    for unit in units:
+        v, g = _robust_sum([seed_means[c] for c in unit], [labels[c] for c in unit])
+        v_ex, n_groups = v_ex + v / k**2, n_groups + g
+        v_res += _robust_sum([resid[c] for c in unit], [labels[c] for c in unit])[0] / (s * (s - 1)) / k**2
+    var = max(v_seed + v_ex - v_res, v_seed, v_ex)
+    df = var**2 / (v_seed**2 / (s - 1) + v_ex**2 / max(n_groups - k, 1))
+    half, z = sps.t.ppf(0.975, df) * math.sqrt(var), abs(estimate) / math.sqrt(var)
+    return (estimate, estimate - half, estimate + half, 2 * sps.t.sf(z, df)), dict(
+        v_seed=v_seed, v_ex=v_ex, v_res=v_res, df=df
+    )
+
+
+_MEETINGS = [np.array(["m0", "m0", "m1", "m1", "m2", "m2"]), np.array(["p0", "p0", "p0", "p1", "p2"])]
+_SPREAD = [
+    np.array([[6, 8, 2, 8, 8, 7], [7, 0, 1, 0, 8, 3], [3, 8, 2, 9, 3, 5]], dtype=float),
+    np.array([[8, 7, 4, 3, 9], [8, 6, 8, 1, 0], [2, 9, 6, 3, 5]], dtype=float),
+]
+
+
+@pytest.mark.parametrize(
+    ("d", "clusters", "decides"),
+    [
+        # a seed x example interaction beside seed and example effects: the residual both parts hold is taken off
+        (
+            [
+                np.array([[8, 4, 12, 8], [4, 12, 8, 16], [9, 11, 13, 15]], dtype=float),
+                np.array([[4, 2, 6], [3, 7, 7], [4, 6, 8]], dtype=float),
+            ],
+            None,
+            "sum",
+        ),
+        # seed effects -3, 0, 3, a large interaction, small example effects: the sum less the residual falls below
+        # the seeds' part, which floors it
+        ([np.array([[-1, -5, 0, -6], [-2, 2, -1, 1], [3, 3, 4, 2]], dtype=float) + 10], None, "v_seed"),
+        # large example effects, a large interaction, seeds that nearly agree: the examples' part floors it
+        (
+            [
+                np.array([[-5, 1, 0, 9], [-9, -1, 4, 5], [-4, -3, 3, 6]], dtype=float),
+                np.array([[2, -2], [-1, 2], [0, 1]], dtype=float),
+            ],
+            None,
+            "v_ex",
+        ),
+        # meetings within each client (G / (G - 1) per client, df_ex 3 + 3 - 2), and the same scores with meetings
+        # that two clients hold (one cluster across them: G = 4 for both, df_ex 4 - 2)
+        (_SPREAD, _MEETINGS, "sum"),
+        (_SPREAD, [_MEETINGS[0], np.array(["m0", "m1", "m2", "m2", "p"])], "v_seed"),
+    ],
+    ids=["interaction", "seeds-floor", "examples-floor", "meetings", "meetings-across-clients"],
+)
+def test_several_seeds_interval_is_the_crossed_variance_written_out(d, clusters, decides):
+    """Estimate, limits and p of the several-seeds interval against the variance computed by hand (loops over seeds,
+    examples and clusters), in each regime of max(v_seed + v_ex - v_res, v_seed, v_ex): the residual's share, and
+    each floor, decide the width here (the residual's share mis-scaled or its column means' sign flipped, or a floor
+    dropped, moves the limits)."""
+    (estimate, low, high, p), part = _seeds_t_by_hand(d, clusters)
+    parts = {"sum": part["v_seed"] + part["v_ex"] - part["v_res"], "v_seed": part["v_seed"], "v_ex": part["v_ex"]}
+    assert max(parts, key=parts.get) == decides and part["v_res"] > 0.0
+    others = sorted(parts.values())
+    assert others[-1] > 1.1 * others[-2]  # the case is no tie: the one that decides is clear of the rest
+    b = [np.arange(x.size, dtype=float).reshape(x.shape) % 7 for x in d]
+    r = paired_difference([x + y for x, y in zip(d, b)], b, CFG, clusters)
+    assert (r.estimate, r.low, r.high, r.p_value, r.n_seeds) == pytest.approx(
+        (estimate, low, high, p, len(d[0])), rel=1e-10
+    )
+    m = mean_interval(d, CFG, clusters)
+    assert (m.estimate, m.low, m.high) == pytest.approx((estimate, low, high), rel=1e-12) and math.isnan(m.p_value)
+
+
+def test_one_client_of_several_seeds_has_the_two_way_anova_variance_of_its_grand_mean():
+    """Scores 10 + seed effect (-2, 0, 2) + example effect (-3, -1, 1, 3) + an interaction of +-3 (rows +-(3, -3, 3,
+    -3) and 0): mean squares MS_seed = 4 x 4 = 16, MS_ex = 3 x 20 / 3 = 20, MS_res = 72 / 6 = 12, so the grand mean's
+    variance is (16 + 20 - 12) / (3 x 4) = 2 (above the floor max(16, 20) / 12), Welch-Satterthwaite df
+    4 / ((4/3)^2 / 2 + (5/3)^2 / 3), p that of 10 / sqrt 2."""
+    d = np.array([[8, 4, 12, 8], [4, 12, 8, 16], [9, 11, 13, 15]], dtype=float)
+    df = 4 / ((4 / 3) ** 2 / 2 + (5 / 3) ** 2 / 3)
+    half = sps.t.ppf(0.975, df) * math.sqrt(2)
+    r = paired_difference([d], [np.zeros_like(d)], CFG)
+    assert (r.estimate, r.low, r.high) == pytest.approx((10.0, 10.0 - half, 10.0 + half), rel=1e-12)
+    assert r.p_value == pytest.approx(2 * sps.t.sf(10 / math.sqrt(2), df), rel=1e-9)
