@@ -387,8 +387,8 @@ _SPREAD = [
             "sum",
         ),
         # seed effects -3, 0, 3, a large interaction, small example effects: the sum less the residual falls below
-        # the seeds' part, which floors it
-        ([np.array([[-1, -5, 0, -6], [-2, 2, -1, 1], [3, 3, 4, 2]], dtype=float) + 10], None, "v_seed"),
+        # the seeds' part, which floors it (estimate exactly 1: p is the t's there too)
+        ([np.array([[-1, -5, 0, -6], [-2, 2, -1, 1], [3, 3, 4, 2]], dtype=float) + 1], None, "v_seed"),
         # large example effects, a large interaction, seeds that nearly agree: the examples' part floors it
         (
             [
@@ -402,8 +402,17 @@ _SPREAD = [
         # that two clients hold (one cluster across them: G = 4 for both, df_ex 4 - 2)
         (_SPREAD, _MEETINGS, "sum"),
         (_SPREAD, [_MEETINGS[0], np.array(["m0", "m1", "m2", "m2", "p"])], "v_seed"),
+        # two clients holding the same two meetings: df_ex = 2 meetings - 2 clients, floored at 1
+        (
+            [
+                np.array([[6, 5, -2], [7, 9, 2], [11, 10, 3]], dtype=float),
+                np.array([[5, -2, -1], [9, 0, 1], [10, 5, 3]], dtype=float),
+            ],
+            [np.array(["m0", "m0", "m1"]), np.array(["m0", "m1", "m1"])],
+            "sum",
+        ),
     ],
-    ids=["interaction", "seeds-floor", "examples-floor", "meetings", "meetings-across-clients"],
+    ids=["interaction", "seeds-floor", "examples-floor", "meetings", "meetings-across-clients", "two-shared-meetings"],
 )
 def test_several_seeds_interval_is_the_crossed_variance_written_out(d, clusters, decides):
     """Estimate, limits and p of the several-seeds interval against the variance computed by hand (loops over seeds,
