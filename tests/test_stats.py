@@ -444,3 +444,12 @@ def test_one_client_of_several_seeds_has_the_two_way_anova_variance_of_its_grand
     r = paired_difference([d], [np.zeros_like(d)], CFG)
     assert (r.estimate, r.low, r.high) == pytest.approx((10.0, 10.0 - half, 10.0 + half), rel=1e-12)
     assert r.p_value == pytest.approx(2 * sps.t.sf(10 / math.sqrt(2), df), rel=1e-9)
+
+
+def test_several_seeds_without_any_spread_give_the_point_itself():
+    """Three seeds whose differences are one constant on every example (no seed, example or residual spread): the
+    variance is 0 and the interval the point (a t of infinitely many degrees of freedom, not 0 / 0); p 0 for a shift
+    (nothing varies: it is certain) and 1 for none (identical scores)."""
+    b = [np.arange(15.0).reshape(3, 5) % 4, np.arange(24.0).reshape(3, 8) % 5]
+    assert paired_difference([x + 1.5 for x in b], b, CFG) == Interval(1.5, 1.5, 1.5, 0.0, 3)
+    assert paired_difference(b, [x.copy() for x in b], CFG) == Interval(0.0, 0.0, 0.0, 1.0, 3)
