@@ -411,8 +411,26 @@ _SPREAD = [
             [np.array(["m0", "m0", "m1"]), np.array(["m0", "m1", "m1"])],
             "sum",
         ),
+        # three clients whose meetings span them (m0 in clients 1 and 3, m1 and m2 in 1 and 2, m3 in 2 and 3)
+        (
+            [
+                np.array([[9, 6, 7, 8], [2, 3, 2, 0], [4, 5, 9, 1]], dtype=float),
+                np.array([[9, 7, 4], [3, 6, 4], [2, 9, 2]], dtype=float),
+                np.array([[7, 0, 8, 1], [5, 5, 9, 8], [0, 9, 8, 3]], dtype=float),
+            ],
+            [np.array(["m0", "m0", "m1", "m2"]), np.array(["m1", "m2", "m3"]), np.array(["m3", "m4", "m4", "m0"])],
+            "sum",
+        ),
     ],
-    ids=["interaction", "seeds-floor", "examples-floor", "meetings", "meetings-across-clients", "two-shared-meetings"],
+    ids=[
+        "interaction",
+        "seeds-floor",
+        "examples-floor",
+        "meetings",
+        "meetings-across-clients",
+        "two-shared-meetings",
+        "meetings-across-three-clients",
+    ],
 )
 def test_several_seeds_interval_is_the_crossed_variance_written_out(d, clusters, decides):
     """Estimate, limits and p of the several-seeds interval against the variance computed by hand (loops over seeds,
