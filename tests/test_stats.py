@@ -471,3 +471,30 @@ def test_several_seeds_without_any_spread_give_the_point_itself():
     b = [np.arange(15.0).reshape(3, 5) % 4, np.arange(24.0).reshape(3, 8) % 5]
     assert paired_difference([x + 1.5 for x in b], b, CFG) == Interval(1.5, 1.5, 1.5, 0.0, 3)
     assert paired_difference(b, [x.copy() for x in b], CFG) == Interval(0.0, 0.0, 0.0, 1.0, 3)
+
+
+def test_seeds_with_their_own_test_examples_pool_a_meeting_across_the_clients_that_hold_it():
+    """Nested design where each seed's two meetings are both split between the two clients (as the iid partition
+    deals out a domain's queries): per seed a meeting is one cluster across the clients (G = 2 for both together, not
+    2 for each), v_s the variance of the seed's client average over those pooled sums, df_ex = 2 - 2 per seed, 0 in
+    all, floored at 1; otherwise as the nested interval's docstring: max(var(D_s) / S, sum_s v_s / S^2),
+    Welch-Satterthwaite df."""
+    per_seed = [
+        [np.array([5.0, 7, -5]), np.array([7.0, 2, 2, 4])],
+        [np.array([-1.0, 9, -5]), np.array([-1.0, 0, 3, 1])],
+        [np.array([-4.0, -5, -5]), np.array([-5.0, -3, 9, -3])],
+    ]
+    ids = [("aab", "abbb"), ("cdd", "ccdc"), ("efe", "feff")]
+    clusters = [[np.array(list(c)) for c in seed] for seed in ids]
+    s, k = 3, 2
+    d_s = [sum(sum(x) / len(x) for x in xs) / k for xs in per_seed]
+    v_ex = sum(_robust_sum([x[None, :] for x in xs], [list(c) for c in seed])[0] for xs, seed in zip(per_seed, ids))
+    v_ex /= k**2 * s**2
+    estimate = sum(d_s) / s
+    v_seed = sum((d - estimate) ** 2 for d in d_s) / (s - 1) / s
+    assert v_seed > v_ex > 0.5 * v_seed  # both parts weigh in the df
+    df = v_seed**2 / (v_seed**2 / (s - 1) + v_ex**2 / 1)
+    half = sps.t.ppf(0.975, df) * math.sqrt(v_seed)
+    r = nested_interval(per_seed, CFG, clusters)
+    expected = (estimate, estimate - half, estimate + half, 2 * sps.t.sf(abs(estimate) / math.sqrt(v_seed), df))
+    assert (r.estimate, r.low, r.high, r.p_value) == pytest.approx(expected, rel=1e-10)
