@@ -498,3 +498,29 @@ def test_seeds_with_their_own_test_examples_pool_a_meeting_across_the_clients_th
     r = nested_interval(per_seed, CFG, clusters)
     expected = (estimate, estimate - half, estimate + half, 2 * sps.t.sf(abs(estimate) / math.sqrt(v_seed), df))
     assert (r.estimate, r.low, r.high, r.p_value) == pytest.approx(expected, rel=1e-10)
+
+
+_Z = np.zeros
+_SAME_SEEDS = "bootstrap: every client needs the same seeds and at least one example"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: paired_difference([], [], CFG), "^bootstrap: no client has scores$"),
+        (lambda: mean_interval([_Z((2, 3)), _Z((3, 3))], CFG), f"^{_SAME_SEEDS}$"),
+        (lambda: mean_interval([_Z((2, 0)), _Z((2, 3))], CFG), f"^{_SAME_SEEDS}$"),
+        (
+            lambda: mean_interval([_Z((2, 3)), _Z((2, 3))], CFG, [np.arange(3)]),
+            "^bootstrap: 1 cluster arrays for 2 clients$",
+        ),
+        (lambda: mean_interval([_Z((2, 3))], CFG, [np.array(5)]), "^bootstrap: 0 cluster ids for 3 examples$"),
+        # a client in A that B lacks, a seed without its clusters: refused, not dropped
+        (lambda: paired_difference([_Z((2, 3)), _Z((2, 3))], [_Z((2, 3))], CFG), "argument 2 is shorter"),
+        (lambda: nested_interval([[np.ones(3)]] * 3, CFG, [None, None]), "argument 2 is shorter"),
+    ],
+    ids=["no-client", "other-seeds", "no-example", "clusters-per-client", "scalar-clusters", "b-lacks", "seed-lacks"],
+)
+def test_scores_that_do_not_fit_together_are_refused_with_what_is_wrong(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
