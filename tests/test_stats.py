@@ -241,6 +241,11 @@ def test_the_recorded_bootstrap_method_says_meetings_held_by_several_clients_are
     across = meetings([["qmsum/Academic/test/Bed003/q0"], ["qmsum/Academic/test/Bed003/q1"]])
     assert "resampled within clients" in bootstrap_method(within)
     assert "within clients" not in bootstrap_method(across) and "for every client" in bootstrap_method(across)
+    # the whole sentence metrics.json records (the words above inside another text would pass them)
+    assert bootstrap_method(across) == (
+        "percentile bootstrap of the client average, meetings (with all their queries) resampled once for every client"
+        " (one seed: the choice of test meetings only)"
+    )
 
 
 def test_crossed_seeds_keep_the_intervals_they_had():
