@@ -529,3 +529,14 @@ _SAME_SEEDS = "bootstrap: every client needs the same seeds and at least one exa
 def test_scores_that_do_not_fit_together_are_refused_with_what_is_wrong(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_one_seed_draws_meetings_for_all_clients_also_where_a_client_lacks_some():
+    """One seed, meetings drawn once for both clients; client 1 holds m0 and m1 only, client 2 m1 to m3. Differences
+    1 on every example of client 1 and 3 on client 2's: every replicate's client means are 1 and 3 (one that drew
+    none of a client's meetings is left out), so the interval is the point 2 and p the smallest B replicates show."""
+    a = [np.ones((1, 4)), np.full((1, 5), 3.0)]
+    ids = [np.array(["m0", "m0", "m1", "m1"]), np.array(["m1", "m2", "m2", "m3", "m3"])]
+    r = paired_difference(a, [np.zeros_like(x) for x in a], CFG, ids)
+    assert (r.estimate, r.low, r.high, r.n_seeds) == (2.0, 2.0, 2.0, 1)
+    assert 1 / (CFG.n_resamples + 1) <= r.p_value < 1 / (0.9 * CFG.n_resamples)
