@@ -169,6 +169,19 @@ def test_a_late_client_s_run_counts_from_its_join():
     assert convergence(joined, stop, late="SAMSum") == {"stopped_round": 5, "best_round": 4, "converged": True}
 
 
+def test_a_late_client_that_has_not_joined_after_a_hundred_rounds_still_holds_the_run():
+    """Post-addition with a late join (join.max_round has no ceiling): 100 flat rounds of the first clients are no
+    reason to stop while the late client has not joined; there is no stop series yet, hence no best round."""
+    from pipeline.training.stopping import convergence
+
+    history = [row for rnd in range(1, 101) for row in _rows(rnd, 5.0)]
+    assert convergence(history, _stop(), late="SAMSum") == {
+        "stopped_round": 100,
+        "best_round": None,
+        "converged": False,
+    }
+
+
 def test_join_admission_still_uses_the_same_test():
     from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
