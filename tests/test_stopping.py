@@ -182,6 +182,14 @@ def test_a_late_client_that_has_not_joined_after_a_hundred_rounds_still_holds_th
     }
 
 
+def test_a_run_without_a_recorded_round_stopped_at_round_zero_with_no_best_round():
+    """The check the engines make before round 1, and the record of a run that recorded no round: nothing trained
+    (round 0, not round 1), no best round, not converged."""
+    from pipeline.training.stopping import convergence
+
+    assert convergence([], _stop()) == {"stopped_round": 0, "best_round": None, "converged": False}
+
+
 def test_join_admission_still_uses_the_same_test():
     from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
