@@ -156,6 +156,20 @@ def test_the_rule_reads_the_client_average_and_clients_that_evaluated():
     assert not plateaued([4.0, 4.0, 4.0], 0.0, patience=2)  # min_rel 0: any non-improvement counts, none did
 
 
+def test_a_clients_later_row_without_a_loss_keeps_the_loss_it_set_that_round():
+    """round_mean: a client's last SET value counts; a later row of it without val_loss (a fit row, a failed
+    evaluation) does not erase it. By hand: A 2.0 (then a row without a loss), B 4.0 -> (2 + 4) / 2 = 3."""
+    from pipeline.training.stopping import round_mean
+
+    rows = [
+        {"round": 1, "client": "A", "val_loss": 2.0},
+        {"round": 1, "client": "A", "eval_failed": 1},
+        {"round": 1, "client": "B", "bytes_up": 10},
+        {"round": 1, "client": "B", "val_loss": 4.0},
+    ]
+    assert round_mean(rows) == 3.0
+
+
 def test_a_late_client_s_run_counts_from_its_join():
     from pipeline.training.stopping import convergence
 
