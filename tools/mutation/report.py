@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # The numerical core, as pyproject.toml [tool.mutmut] only_mutate lists it (dotted below pipeline/).
-CORE = ("modeling.losses", "federation.strategies", "federation.compression", "results.stats", "partitioning.schemes")
+CORE = (
+    "modeling.losses",
+    "federation.strategies",
+    "federation.compression",
+    "results.stats",
+    "partitioning.schemes",
+    "training.stopping",
+)
 
 # mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.
 _STATUS = {
