@@ -56,3 +56,24 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "qmsum").is_dir():
         pytest.skip(f"shared datasets not found at {SHARED_DATA} (set FEDMEET_DATA_ROOT)")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def _no_flower_identity():
+    """Flower's Message() reads the process's task identity (flwr.supercore.task_identity), which its runtimes and
+    our in-process engine set once and never clear: a test that builds messages passed or failed by which test its
+    xdist worker ran before. Every test starts without one; one that plays a ServerApp asks for
+    ``server_identity``."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity._task_id = TaskIdentity._run_id = TaskIdentity._node_id = None
+    yield
+
+
+@pytest.fixture
+def server_identity() -> int:
+    """This process as a ServerApp of run 1, as Flower's runtimes (and federation.engines) set it; the run id."""
+    from pipeline.federation.engines import _set_server_identity
+
+    _set_server_identity(1)
+    return 1

@@ -614,7 +614,7 @@ def test_told_the_run_starts_over_a_client_removes_an_earlier_runs_files_and_a_r
     assert [f for f in files if f.exists()] == [] and list(ckpt.iterdir()) == []
 
 
-def test_a_node_of_another_experiment_told_to_start_over_keeps_its_runs_files(ws):
+def test_a_node_of_another_experiment_told_to_start_over_keeps_its_runs_files(ws, server_identity):
     """A SuperNode of experiment B (its node config names B's plan) stays connected to the SuperLink on which
     experiment A starts over: A's admission asks every connected node, this one too (then refuses it, or fails on two
     nodes claiming one client). It answers with its name and removes nothing of B's run: B's round checkpoints,

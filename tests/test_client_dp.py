@@ -199,7 +199,7 @@ def test_a_reply_with_its_arrays_in_another_order_is_clipped_key_by_key():
     assert {k: a.numpy().tolist() for k, a in arrays.items()} == {"a": [0.0, 0.0], "b": [1.0, 4.0]}
 
 
-def test_client_side_mod_clips_the_reply_and_marks_it(ws):
+def test_client_side_mod_clips_the_reply_and_marks_it(ws, server_identity):
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
