@@ -66,7 +66,7 @@ def _no_flower_identity():
     ``server_identity``."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    TaskIdentity._task_id = TaskIdentity._run_id = TaskIdentity._node_id = None
+    TaskIdentity.task_id = TaskIdentity.run_id = TaskIdentity.node_id = None  # its setters take None: unset
     yield
 
 
