@@ -473,6 +473,30 @@ def test_adacentralized_step_ratio_per_client_from_the_committed_cpu_study():
     assert got == pytest.approx({"Academic": 69 / 14, "Committee": 69 / 18, "Product": 69 / 38})
 
 
+@pytest.mark.parametrize("bad", [True, 2.0, "3", None])
+def test_a_train_record_whose_example_count_is_no_integer_is_one_line_naming_it(tmp_path, bad):
+    """n_train_examples sets AdaCentralized's step ratio: a JSON true is no 1 example, "3" no 3 (both were read)."""
+    import json
+    from types import SimpleNamespace
+
+    from pipeline.common.schema import DataError
+    from pipeline.results.readers import centralized_step_ratios
+
+    planned, trains = [], {}
+    for method, n in (("centralized", 40), ("single", 10)):
+        (tmp_path / method).mkdir()
+        clients = {"A": {"n_train_examples": n}, "B": {"n_train_examples": bad if method == "single" else n}}
+        (tmp_path / method / "metrics.json").write_text(json.dumps({"clients": clients}))
+        planned.append(SimpleNamespace(name=method, study="main", method=method, seed=0))
+        trains[method] = {"batch_size": 5, "grad_accum_steps": 1}
+    with pytest.raises(
+        DataError, match=re.escape(f"{tmp_path / 'single' / 'metrics.json'}: client 'B' has no integer")
+    ):
+        centralized_step_ratios(planned, tmp_path, trains)
+    json.dump({"clients": {"A": {"n_train_examples": 10}, "B": {}}}, (tmp_path / "single" / "metrics.json").open("w"))
+    assert centralized_step_ratios(planned, tmp_path, trains) == (("A", 4.0),)  # B trained nothing: no ratio
+
+
 def test_a_params_file_with_a_bad_report_key_is_named_with_the_file(tmp_path):
     """report_inputs of a params file (the stage's --params, a study folder's params.yaml) names a bad value as every
     stage does, "<file> <group>.<key>"; the file's own experiments are what it plans."""

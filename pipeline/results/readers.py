@@ -94,7 +94,7 @@ def best_rounds(path: Path) -> dict[str, int]:
         raise DataError(f"{path}: no 'clients' mapping with per-client best rounds")
     if bad := [c for c, rec in clients.items() if not isinstance(rec, dict) or type(rec.get("best_round")) is not int]:
         raise DataError(f"{path}: client {bad[0]!r} has no integer 'best_round'")  # a JSON true is no round 1
-    return {str(c): int(rec["best_round"]) for c, rec in clients.items()}
+    return {str(c): rec["best_round"] for c, rec in clients.items()}
 
 
 def read_gate_log(path: Path) -> pd.DataFrame:
@@ -200,8 +200,10 @@ def centralized_step_ratios(
         path = train_dir / p.name / "metrics.json"
         if p.study == "main" and p.method in ("centralized", "single") and path.is_file():
             t, clients = trains[p.name], read_json(path, "train metrics").get("clients") or {}
+            if bad := [c for c, rec in clients.items() if type(rec.get("n_train_examples", 0)) is not int]:
+                raise DataError(f"{path}: client {bad[0]!r} has no integer 'n_train_examples'")  # a JSON true is no 1
             steps[(int(p.seed), p.method)] = {
-                c: math.ceil(math.ceil(int(rec["n_train_examples"]) / t["batch_size"]) / t["grad_accum_steps"])
+                c: math.ceil(math.ceil(rec["n_train_examples"] / t["batch_size"]) / t["grad_accum_steps"])
                 for c, rec in clients.items()
                 if rec.get("n_train_examples")
             }
