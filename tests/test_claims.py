@@ -600,6 +600,7 @@ def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_pat
     assert "1 of 10 client-runs" in (tables / "results.md").read_text()
 
 
+@pytest.mark.slow  # four stage CLIs in subprocesses: about 60 s on 2 cores, 120+ s under the fast lane's load
 def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
     _study_folder(tmp_path)
     (tmp_path / "README.md").write_text(f"# study\n\n{claims.BEGIN}\nstale\n{claims.END}\nkept\n")
