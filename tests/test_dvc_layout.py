@@ -175,6 +175,10 @@ def test_average_interval_of_a_configuration(tmp_path):
     assert average_interval(two, tmp_path, cfg) == (low, high)  # the bootstrap seed fixes it
     missing = comparisons.Config("main", "z", "fedavg", "domain", ((0, "never-evaluated"),))
     assert average_interval(missing, tmp_path, cfg) is None
+    # a client of one test example has no spread to give: no interval, not B's alone (as one seed drew before)
+    _per_example(tmp_path, "one", {"A": [10.0], "B": [20.0, 30.0, 50.0]})
+    one = comparisons.Config("main", "w", "fedavg", "domain", ((0, "one"),))
+    assert average_interval(one, tmp_path, cfg) is None
 
 
 def test_average_interval_of_seeds_that_redraw_the_test_sets(tmp_path):

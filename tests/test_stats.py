@@ -178,6 +178,13 @@ def test_a_client_of_one_meeting_or_one_example_gives_no_interval_and_no_test(se
         assert np.isnan([r.low, r.high, r.p_value]).all() and not excludes_zero(r)
     r = paired_difference(a, b, CFG, clusters=one_meeting)
     assert r.estimate == pytest.approx((a[0].mean() + a[1].mean()) / 2) and r.n_seeds == seeds
+    # one method's own interval (evaluate's mean_ci, the tables' average) neither: before, one seed gave a point
+    # [m, m] and several seeds the seeds' t-interval alone, as if the meeting's queries were the whole population
+    for r in (mean_interval(a, CFG, one_meeting), mean_interval(one_example[0], CFG)):
+        assert np.isnan([r.low, r.high, r.p_value]).all() and r.n_seeds == seeds
+    assert mean_interval(a, CFG, one_meeting).estimate == pytest.approx((a[0].mean() + a[1].mean()) / 2)
+    r = nested_interval([[x[0] for x in a]], CFG, [one_meeting], paired=False)  # one seed's own test sets
+    assert np.isnan([r.low, r.high]).all()
 
 
 def test_cluster_ids_must_align_with_the_examples():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,8 @@ def evaluate_experiments(
             k: mean_interval([g[k].to_numpy()[None, :] for g in groups], bootstrap, clusters) for k in SCORE_KEYS
         }
         metrics = metrics_record(plan, backbone, cfg, per_client, exp.skipped_clients) | {
-            "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
+            # none where a client has one meeting or example (NaN: its spread is unknown)
+            "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items() if not math.isnan(r.low)},
             "ci": {
                 "level": bootstrap.level,
                 "n_resamples": bootstrap.n_resamples,

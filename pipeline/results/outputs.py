@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -223,7 +224,7 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
     ]
     clusters = [meetings(i.values()) for i in ids]
     r = nested_interval(scores, cfg, clusters, paired=False, crossed=all(i == ids[0] for i in ids))
-    return r.low, r.high
+    return None if math.isnan(r.low) else (r.low, r.high)  # NaN: a client of one meeting or example has no interval
 
 
 def headline_metrics(

@@ -169,7 +169,7 @@ def mean_interval(
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in per_client]
     seeds, groups, joint = _checked(arrays, clusters)
     observed = float(np.mean([a.mean() for a in arrays]))
-    if paired and any(g.max() == 0 for g in groups):  # a client of one meeting (or example): its spread is unknown
+    if any(g.max() == 0 for g in groups):  # a client of one meeting (or example): its spread is unknown
         return Interval(observed, *[math.nan] * 3, seeds)
     if seeds > 1:
         r = _seeds_t(arrays, groups, cfg, joint)
