@@ -294,8 +294,8 @@ def run(
     grid = grid or Grid(plan_path, script, clients)
     recorder = Recorder(grid)
     ckpt = load_server_checkpoint(load_plan(plan_path))  # a killed run's: resumed
-    arrays, history = run_server(grid, plan_path, recorder, round_timeout_s=timeout, ckpt=ckpt)
-    return {k: torch.as_tensor(a.numpy()) for k, a in arrays.items()}, history, recorder
+    state, history = run_server(grid, plan_path, recorder, round_timeout_s=timeout, ckpt=ckpt)
+    return state, history, recorder
 
 
 def initial(plan_path: str) -> dict[str, torch.Tensor]:

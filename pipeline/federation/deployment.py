@@ -281,7 +281,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     recorder = DeploymentRecorder(logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
     ending = "KILLED"  # a rerun resumes it from the server checkpoint, or deletes it if none
     try:
-        arrays, history = run_server(grid, plan_path, recorder, round_timeout, admission_timeout, ckpt=checkpoint)
+        state, history = run_server(grid, plan_path, recorder, round_timeout, admission_timeout, ckpt=checkpoint)
         metrics = record_run(plan, history, recorder.round_seconds)
         silent = never_contributed(history)
         if silent:  # a hung or broken node: recorded round by round, but the run has no result for that client
@@ -294,7 +294,6 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
                 f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error"
             )
         adapter = out_dir / GLOBAL_ADAPTER
-        state = arrays.to_torch_state_dict()
         save_adapter(adapter, state, {"experiment": plan.experiment, "round": str(metrics["stopped_round"])})
 
         eval_metrics = None

@@ -86,7 +86,7 @@ def run_server(
     cache: CacheConfig | None = None,
     *,
     ckpt: dict[str, Any] | None,
-) -> tuple[ArrayRecord, list]:
+) -> tuple[dict[str, torch.Tensor], list]:
     """The federated training loop of the experiment ``plan_path`` plans (the ServerApp's main).
     ``admission_timeout_s`` defaults to the round timeout; ``cache``, the clients' cache settings, goes with every
     message (the engines'; a deployed client has its own: protocol.client_cache_config); ``ckpt``: the caller's
@@ -186,7 +186,7 @@ def run_server(
 
         history.extend(rows[c] for c in sorted(rows))
         save_server_checkpoint(plan, rnd, state, strategy, history)
-    return ArrayRecord.from_torch_state_dict(state), history
+    return state, history
 
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:

@@ -49,7 +49,6 @@ class ClientLevelDP(Strategy):
     """DP-FedAvg around ``strategy`` (run with fraction_train 1); adaptive clipping moves :attr:`clipping_norm`."""
 
     def __init__(self, strategy, plan, setting: FederationPrivacy, releases=None):
-        super().__init__()
         # {round: releases so far}, in the file ``releases`` before one leaves (fedavg's evaluate sends it before the
         # checkpoint; None: a KD method's leaves after it): a redo draws a fresh sample and noise, counted again
         self.releases_file = releases
