@@ -172,7 +172,8 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     teacher = (
         AdapterStack([jobs[r].teacher for r in taught], template, device).requires_grad_(False) if taught else None
     )
-    optimizer = torch.optim.AdamW(adamw_groups([local.parameter_of(k) for k in local.keys], cfg, 3), lr=cfg.lr)
+    leaves = [local.parameter_of(k) for k in local.keys]  # in AdapterSet.state() order
+    optimizer = torch.optim.AdamW(adamw_groups(leaves, cfg, 3), lr=cfg.lr)
     proximal = [torch.zeros(())] * runs
     outputs: list[list[tuple[Batch, LossOutput]]] = [[] for _ in jobs]
     STATS["groups"] += 1
@@ -198,7 +199,7 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                 total = (loss * weights).sum()  # each run's loss weighted in its step
                 for r, (job, out) in enumerate(zip(jobs, outs)):
                     if job.proximal is not None:
-                        proximal[r] = proximal_term(local.run_parameters(r), job.proximal.reference, job.proximal.mu)
+                        proximal[r] = proximal_term([p[r] for p in leaves], job.proximal.reference, job.proximal.mu)
                         total = total + proximal[r] * job.steps[s][m][1]
                     out.loss = out.loss.detach()
                     outputs[r].append((batches[r], out))
