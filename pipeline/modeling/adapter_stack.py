@@ -58,10 +58,6 @@ class AdapterStack(nn.Module):
         """The stacked leaf of ``AdapterSet.state()`` key ``key`` ([R, ...])."""
         return self.params[key.replace(".", "_")]
 
-    def run_parameters(self, r: int) -> list[torch.Tensor]:
-        """Run ``r``'s slices of the leaves, in ``AdapterSet.state()`` order (differentiable views)."""
-        return [self.parameter_of(key)[r] for key in self.keys]
-
     def states(self) -> list[dict[str, torch.Tensor]]:
         """Each run's adapters as ``AdapterSet.state()`` gives them (CPU float32 copies)."""
         cpu = {key: self.parameter_of(key).detach().to("cpu", torch.float32) for key in self.keys}

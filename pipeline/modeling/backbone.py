@@ -43,16 +43,13 @@ class BackboneConfig:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
 def classify(name: str) -> str:
     """'recipe', 'local' or 'hub'."""
     if name == OFFLINE_RECIPE:
         return "recipe"
     if Path(name).expanduser().exists():
         return "local"
-    if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
+    if name.startswith((".", "/", "~")) or not re.match(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$", name):
         raise BackboneError(
             f"backbone.name={name!r}: not an existing directory, not a hub id and not the offline "
             f"recipe {OFFLINE_RECIPE!r}"

@@ -45,15 +45,8 @@ def kd_config(plan: Plan) -> KDConfig:
 
 @lru_cache(maxsize=2)
 def _noun_verb_masks(path: str, mtime: float) -> NounVerbMasks:
-    return NounVerbMasks(pd.read_parquet(path, columns=POSTAG_COLUMNS), path)
-
-
-def noun_verb_masks(postags_path: str | Path) -> NounVerbMasks:
     """Hard KD's masks of the target nouns and verbs (stage `postag`), read once per process and file version."""
-    p = Path(postags_path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: POS tags not found (stage `postag`); method hardkd needs them")
-    return _noun_verb_masks(str(p), p.stat().st_mtime)
+    return NounVerbMasks(pd.read_parquet(path, columns=POSTAG_COLUMNS), path)
 
 
 # A frame's batches made in this process, by what shapes them (kept with the frame and the tokenizer, so their ids
@@ -164,7 +157,11 @@ def train_local(
             raise ValueError("train_local: proximal_mu > 0 needs the global weights (proximal_reference)")
         reference = [proximal_reference[k].to(model.device) for k in model.adapter_state("local")]  # parameter order
         proximal = Proximal(model.local_parameters(), reference, proximal_mu)
-    masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
+    masks = None
+    if kd.mode == "hard":
+        if not (postags := Path(plan.paths["postags"])).exists():
+            raise FileNotFoundError(f"{postags}: POS tags not found (stage `postag`); method hardkd needs them")
+        masks = _noun_verb_masks(str(postags), postags.stat().st_mtime)
 
     def dp_step(frame: pd.DataFrame) -> list[tuple[Batch, float]]:  # a DP-SGD step's sample, in order
         batches = make_batches(frame, model, mcfg, cfg.batch_size, False, 0, cfg.bucket_by_length)

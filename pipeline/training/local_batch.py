@@ -18,7 +18,6 @@ micro-batch makes no host sync.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +171,8 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     teacher = (
         AdapterStack([jobs[r].teacher for r in taught], template, device).requires_grad_(False) if taught else None
     )
-    optimizer = torch.optim.AdamW(adamw_groups([local.parameter_of(k) for k in local.keys], cfg, 3), lr=cfg.lr)
+    leaves = [local.parameter_of(k) for k in local.keys]  # in AdapterSet.state() order
+    optimizer = torch.optim.AdamW(adamw_groups(leaves, cfg, 3), lr=cfg.lr)
     proximal = [torch.zeros(())] * runs
     outputs: list[list[tuple[Batch, LossOutput]]] = [[] for _ in jobs]
     STATS["groups"] += 1
@@ -198,7 +198,7 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                 total = (loss * weights).sum()  # each run's loss weighted in its step
                 for r, (job, out) in enumerate(zip(jobs, outs)):
                     if job.proximal is not None:
-                        proximal[r] = proximal_term(local.run_parameters(r), job.proximal.reference, job.proximal.mu)
+                        proximal[r] = proximal_term([p[r] for p in leaves], job.proximal.reference, job.proximal.mu)
                         total = total + proximal[r] * job.steps[s][m][1]
                     out.loss = out.loss.detach()
                     outputs[r].append((batches[r], out))
@@ -239,23 +239,6 @@ def validate_group(jobs: list[LocalJob]) -> list[tuple[float, int]]:
     return [(sum(read[r]) / max(counts[r], 1), counts[r]) for r in range(runs)]
 
 
-def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
-    """``members`` (jobs of one key) in consecutive groups whose largest micro-batch's student logits (float32, every
-    run's target tokens) stay within :func:`logits_budget_bytes` (a job alone may exceed it)."""
-    groups: list[list[int]] = []
-    budget = used = logits_budget_bytes(jobs[members[0]].model.device)
-    for i in members:
-        job = jobs[i]
-        vocabulary = job.model.backbone.get_output_embeddings().weight.shape[0]
-        need = 4 * vocabulary * max(b.target_tokens for step in job.steps for b, _ in step)
-        if used + need > budget:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += need
-    return groups
-
-
 def train_jobs(jobs: list[LocalJob]) -> list[JobOutput | Exception]:
     """Every job's output in order (an exception for each job of a group that failed), the jobs trained in groups
     (train_group looked up per call: tests/reliability.py wraps it)."""
@@ -268,11 +251,22 @@ def validate_jobs(jobs: list[LocalJob]) -> list[tuple[float, int] | Exception]:
 
 
 def _in_groups(jobs: list[LocalJob], group_call) -> list:
-    keys: dict[tuple, list[int]] = defaultdict(list)
+    """``group_call``'s result for each job, the jobs of each :meth:`LocalJob.group_key` in consecutive groups whose
+    largest micro-batch's student logits (float32, every run's target tokens) stay within :func:`logits_budget_bytes`
+    (a job alone may exceed it)."""
+    groups: dict[tuple, list[list[int]]] = {}
+    used: dict[tuple, int] = {}  # the bytes of each key's last group
     for i, job in enumerate(jobs):
-        keys[job.group_key()].append(i)
+        key = job.group_key()
+        vocabulary = job.model.backbone.get_output_embeddings().weight.shape[0]
+        need = 4 * vocabulary * max(b.target_tokens for step in job.steps for b, _ in step)
+        if key not in groups or used[key] + need > logits_budget_bytes(job.model.device):
+            groups.setdefault(key, []).append([])
+            used[key] = 0
+        groups[key][-1].append(i)
+        used[key] += need
     results: dict[int, JobOutput | Exception] = {}
-    for members in (group for same in keys.values() for group in _within_budget(jobs, same)):
+    for members in (group for same in groups.values() for group in same):
         outs = _outputs_or_error(group_call, [jobs[i] for i in members])
         if len(members) > 1 and isinstance(outs[0], Exception):  # one job's error fails no other: each alone
             log.warning("a group of %d jobs failed (%s); each is trained alone", len(members), outs[0])
