@@ -31,6 +31,7 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0.0)]
 NonNegative = Annotated[float, Field(ge=0.0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+BelowOne = Annotated[float, Field(ge=0.0, lt=1.0)]  # a momentum or Adam's beta; the plateau test's relative improvement
 TokenLength = Annotated[int, Field(ge=2)]  # room for the special tokens
 
 
