@@ -11,7 +11,7 @@ import json
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import field
+from dataclasses import field, fields
 from typing import Annotated, Any, Literal
 
 import pandas as pd
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from pipeline.common import schema
 from pipeline.common.config import Fraction, config
-from pipeline.common.schema import EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
+from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -169,7 +169,7 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
                     n_summary_words=schema.summary_word_count(r.summary),
                 )
             )
-    examples = pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
+    examples = pd.DataFrame(rows, columns=[f.name for f in fields(Example)])  # the columns also when empty
     if len(dup := examples.example_id[examples.example_id.duplicated()]):
         raise DataError(f"duplicate example ids, e.g. {dup.iloc[0]!r} ({len(dup)} duplicates)")
     return examples, link_report
