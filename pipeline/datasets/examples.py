@@ -47,7 +47,6 @@ PAPER_SIZES = {
     "ICSI": {"train": 43, "valid": 10, "test": 6},
 }
 STAT_KEYS = ("avg_turns", "avg_speakers", "avg_words", "avg_summary_words")
-STAT_COLUMNS = ("n_turns", "n_speakers", "n_words", "n_summary_words")  # of examples.parquet, averaged as STAT_KEYS
 QueryTypes = Annotated[list[Literal["general", "specific"]], Field(min_length=1)]  # what ingest gives QMSum records
 # QMSum's jsonl files carry no meeting names, but its Product meetings ARE the 137 AMI meetings and its Academic
 # meetings ARE the 59 ICSI meetings (with a different split). The leakage guard needs one name per meeting across
@@ -180,7 +179,7 @@ def table_ii(examples: pd.DataFrame) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for (dataset, domain), rows in examples.groupby(["dataset", "domain"], sort=False):
         stats.setdefault(dataset, {})[domain] = {  # fixed split order for readers
-            split: {"n": len(g), **{key: round(float(g[col].mean()), 2) for key, col in zip(STAT_KEYS, STAT_COLUMNS)}}
+            split: {"n": len(g), **{key: round(float(g[key.replace("avg", "n", 1)].mean()), 2) for key in STAT_KEYS}}
             for split in SPLITS
             if len(g := rows[rows.split == split])
         }
