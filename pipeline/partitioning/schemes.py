@@ -256,13 +256,10 @@ SCHEMES: dict[str, Callable[..., Partition]] = {
 }
 
 
-SchemeName = Literal[tuple(SCHEMES)]  # type: ignore[valid-type]
-
-
 @config
 class PartitionConfig:
     seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # numpy refuses a negative seed
-    schemes: list[SchemeName] = field(default_factory=lambda: list(SCHEMES))
+    schemes: list[Literal[tuple(SCHEMES)]] = field(default_factory=lambda: list(SCHEMES))  # type: ignore[valid-type]
     iid: IidConfig = field(default_factory=IidConfig)
     noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
     long_meeting: LongMeetingConfig = field(default_factory=LongMeetingConfig)
