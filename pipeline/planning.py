@@ -113,12 +113,6 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k not in drop}
 
 
-def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
-    """md5 of the source of the strategy module and the KD gate module ``method`` runs, by module name."""
-    used = [f for f in (BUILDERS.get(method.strategy), gate_of(method.kd_mode, kd_gate)) if f is not None]
-    return {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
-
-
 def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.yaml") -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method, where = get_method(exp.method), f"{file} experiments.{exp.name}"
@@ -174,8 +168,9 @@ def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.ya
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
         plan["postags_md5"] = file_hash(PATHS.postags, "md5")
-    if extensions := extension_md5(method, train.kd_gate):
-        plan["extension_md5"] = extensions
+    # md5 of the source of the strategy module and the KD gate module the method runs, by module name
+    if used := [f for f in (BUILDERS.get(method.strategy), gate_of(method.kd_mode, train.kd_gate)) if f is not None]:
+        plan["extension_md5"] = {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
     return plan
 
 

@@ -345,8 +345,8 @@ def import_closure(module: str) -> set[str]:
 
 
 # Strategy and KD gate modules: the plan of an experiment carries the source hash of the ones it runs
-# (pipeline.planning.extension_md5), so the stages that read a plan do not depend on them and an edit of a module
-# no experiment runs reruns nothing.
+# (extension_md5, by pipeline.planning.resolve_plan), so the stages that read a plan do not depend on them and an
+# edit of a module no experiment runs reruns nothing.
 EXTENSION_DIRS = ("pipeline/federation/strategies", "pipeline/modeling/gates")
 PLAN_READERS = ("pipeline.train", "pipeline.evaluate")
 

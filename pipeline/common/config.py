@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, TypeVar, get_args, get_type_hints
 
 import pydantic.dataclasses
 import yaml
@@ -31,6 +31,7 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0.0)]
 NonNegative = Annotated[float, Field(ge=0.0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+BelowOne = Annotated[float, Field(ge=0.0, lt=1.0)]  # a momentum or Adam's beta; the plateau test's relative improvement
 TokenLength = Annotated[int, Field(ge=2)]  # room for the special tokens
 
 
@@ -154,10 +155,8 @@ def _metadata(info: FieldInfo | None) -> list[Any]:
     """A field's constraints, also those inside ``Annotated[...] | None`` (where pydantic keeps them in the type)."""
     if info is None:
         return []
-    found, todo = list(info.metadata), list(get_args(info.annotation))
-    while todo:
-        arg = todo.pop()
-        todo.extend(get_args(arg)[:1] if get_origin(arg) is Annotated else [])
+    found = list(info.metadata)
+    for arg in reversed(get_args(info.annotation)):  # one level: Python flattens an Annotated inside an Annotated
         for m in getattr(arg, "__metadata__", ()):
             found.extend(m.metadata if isinstance(m, FieldInfo) else [m])
     return found

@@ -84,9 +84,6 @@ class Example:
     n_summary_words: int
 
 
-EXAMPLE_COLUMNS = [f.name for f in dataclasses.fields(Example)]
-
-
 @dataclass
 class Skipped:
     """A record left out by design (e.g. an empty SAMSum dialogue): always counted and reported."""

@@ -11,7 +11,7 @@ import json
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import field
+from dataclasses import field, fields
 from typing import Annotated, Any, Literal
 
 import pandas as pd
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from pipeline.common import schema
 from pipeline.common.config import Fraction, config
-from pipeline.common.schema import EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
+from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -47,7 +47,6 @@ PAPER_SIZES = {
     "ICSI": {"train": 43, "valid": 10, "test": 6},
 }
 STAT_KEYS = ("avg_turns", "avg_speakers", "avg_words", "avg_summary_words")
-STAT_COLUMNS = ("n_turns", "n_speakers", "n_words", "n_summary_words")  # of examples.parquet, averaged as STAT_KEYS
 QueryTypes = Annotated[list[Literal["general", "specific"]], Field(min_length=1)]  # what ingest gives QMSum records
 # QMSum's jsonl files carry no meeting names, but its Product meetings ARE the 137 AMI meetings and its Academic
 # meetings ARE the 59 ICSI meetings (with a different split). The leakage guard needs one name per meeting across
@@ -169,7 +168,7 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
                     n_summary_words=schema.summary_word_count(r.summary),
                 )
             )
-    examples = pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
+    examples = pd.DataFrame(rows, columns=[f.name for f in fields(Example)])  # the columns also when empty
     if len(dup := examples.example_id[examples.example_id.duplicated()]):
         raise DataError(f"duplicate example ids, e.g. {dup.iloc[0]!r} ({len(dup)} duplicates)")
     return examples, link_report
@@ -180,7 +179,7 @@ def table_ii(examples: pd.DataFrame) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for (dataset, domain), rows in examples.groupby(["dataset", "domain"], sort=False):
         stats.setdefault(dataset, {})[domain] = {  # fixed split order for readers
-            split: {"n": len(g), **{key: round(float(g[col].mean()), 2) for key, col in zip(STAT_KEYS, STAT_COLUMNS)}}
+            split: {"n": len(g), **{key: round(float(g[key.replace("avg", "n", 1)].mean()), 2) for key in STAT_KEYS}}
             for split in SPLITS
             if len(g := rows[rows.split == split])
         }

@@ -10,11 +10,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from pipeline.common.config import ConfigError, NonNegative, Positive, config, from_dict
+from pipeline.common.config import BelowOne, ConfigError, NonNegative, Positive, config, from_dict
 
 # The local path's loss: ce | kd (every token) | selective (H(q_g) < tau) | hard (nouns, verbs)
 KdMode = Literal["ce", "kd", "selective", "hard"]
-Decay = Annotated[float, Field(ge=0.0, lt=1.0)]  # a strategy's momentum or Adam's betas
 
 
 @config(frozen=True)
@@ -34,9 +33,9 @@ class FedOptConfig:
     # or "adam" | "yogi" | "adagrad" (Reddi et al. 2021, Flower's FedAdam/FedYogi/FedAdagrad).
     server_optimizer: Literal["sgdm", "adam", "yogi", "adagrad"] = "sgdm"
     server_lr: Positive | None = None  # None: Flower's default for the optimiser (resolved here, so plans hold it)
-    server_momentum: Decay = 0.9
-    beta_1: Decay = 0.9
-    beta_2: Decay = 0.99
+    server_momentum: BelowOne = 0.9
+    beta_1: BelowOne = 0.9
+    beta_2: BelowOne = 0.99
     eps: Positive = 1.0e-3  # Reddi et al.'s adaptivity constant tau (here `tau` is the entropy threshold)
 
     def __post_init__(self) -> None:

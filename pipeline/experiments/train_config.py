@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from pipeline.common.config import Fraction, NonNegative, Positive, PositiveInt, config, from_dict
+from pipeline.common.config import BelowOne, Fraction, NonNegative, Positive, PositiveInt, config, from_dict
 from pipeline.experiments.methods import STRATEGIES, STRATEGY_KEYS
 
 # The loss's settings (LossSettings)
@@ -17,9 +17,6 @@ LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(
 UNITS = {"e": "nats", "2": "bits"}  # H(q_g)'s and an absolute tau's, by train.entropy_log_base
 # How selective KD reads tau (params.yaml train.tau_scale; the entropy gate applies it)
 TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
-
-# The plateau test train.join and train.stop share (pipeline.training.stopping).
-RelativeImprovement = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 # How the adapters travel (pipeline.federation.compression encodes them): a setting of the plan, it changes results.
 TransferDtype = Literal["fp32", "fp16", "int8"]
@@ -30,7 +27,7 @@ class JoinConfig:
     """When the post-addition study's new client joins (`train.join`): once the existing clients have converged
     (pipeline.training.stopping), at ``max_round`` at the latest."""
 
-    min_rel_improvement: RelativeImprovement = 0.01
+    min_rel_improvement: BelowOne = 0.01
     patience: PositiveInt = 1
     max_round: Annotated[int, Field(ge=2)] = 3  # round 1 has no earlier round
 
@@ -41,7 +38,7 @@ class StopConfig:
     converged (pipeline.training.stopping), after ``max_rounds`` at the latest (the plan's ``train.rounds``)."""
 
     enabled: bool = False
-    min_rel_improvement: RelativeImprovement = 0.005
+    min_rel_improvement: BelowOne = 0.005
     patience: PositiveInt = 3
     max_rounds: PositiveInt = 40
 

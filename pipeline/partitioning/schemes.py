@@ -186,9 +186,7 @@ def label_skew(
     part = _empty(cfg.client_names(), dict(label_of))
     for split in SPLITS:
         ids = _ids(pool[pool.split == split])
-        remaining = {lab: [i for i in ids if label_of[i] == lab] for lab in labels}
-        for lab in labels:
-            rng.shuffle(remaining[lab])
+        remaining = {lab: rng.permutation([i for i in ids if label_of[i] == lab]).tolist() for lab in labels}
         for c, (name, size) in enumerate(zip(part.clients, [len(a) for a in np.array_split(ids, cfg.n_clients)])):
             for _ in range(size):
                 avail = np.array([len(remaining[lab]) > 0 for lab in labels])
@@ -256,13 +254,10 @@ SCHEMES: dict[str, Callable[..., Partition]] = {
 }
 
 
-SchemeName = Literal[tuple(SCHEMES)]  # type: ignore[valid-type]
-
-
 @config
 class PartitionConfig:
     seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # numpy refuses a negative seed
-    schemes: list[SchemeName] = field(default_factory=lambda: list(SCHEMES))
+    schemes: list[Literal[tuple(SCHEMES)]] = field(default_factory=lambda: list(SCHEMES))  # type: ignore[valid-type]
     iid: IidConfig = field(default_factory=IidConfig)
     noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
     long_meeting: LongMeetingConfig = field(default_factory=LongMeetingConfig)
