@@ -52,11 +52,11 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
         ]
 
     if mirror.is_dir():
-        if missing := missing(mirror):
+        if absent := missing(mirror):
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(
-                f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''} ({len(missing)} files)"
+                f"{mirror}: local mirror of {dataset} is incomplete; missing {absent[:5]}"
+                f"{' ...' if len(absent) > 5 else ''} ({len(absent)} files)"
             )
         return mirror
     raw = Path(cfg.raw_dir) / dataset
