@@ -65,9 +65,8 @@ def _plain(config: Config, configs: list[Config], study: str) -> Config | None:
 def baseline_for(config: Config, method: str, configs: list[Config]) -> Config | None:
     """The ``method`` configuration ``config`` is compared with: same partition scheme, preferably the same study,
     else the main study's (a study such as the tau sweep has no baselines of its own)."""
-    candidates = [c for c in configs if c.method == method and c.scheme == config.scheme]
-    candidates.sort(key=lambda c: (bool(c.dp), c.study != config.study, c.study != "main", c.label))
-    return candidates[0] if candidates else None
+    same = (c for c in configs if c.method == method and c.scheme == config.scheme)
+    return min(same, key=lambda c: (bool(c.dp), c.study != config.study, c.study != "main", c.label), default=None)
 
 
 def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:

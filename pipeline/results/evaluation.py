@@ -172,16 +172,6 @@ HEADLINE_PREFIX = "client_avg"
 HEADLINE_KEYS = {"ROUGE-1": "rouge1", "ROUGE-2": "rouge2", "ROUGE-L": TABLE_ROUGE_L, "avg_ROUGE": "avg_rouge"}
 
 
-def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>``, with the ``mean_ci`` interval as ``_ci_low/_high``."""
-    out = {}
-    for label, key in HEADLINE_KEYS.items():
-        out[f"{HEADLINE_PREFIX}/{label}"] = float("nan" if (v := metrics["mean"][key]) is None else v)  # no client
-        interval = (metrics.get("mean_ci") or {}).get(key) or {}  # {"low": ..., "high": ...}
-        out |= {f"{HEADLINE_PREFIX}/{label}_ci_{end}": float(value) for end, value in interval.items()}
-    return out
-
-
 def log_to_mlflow(
     experiment: dict[str, Any],
     metrics: dict[str, Any],
@@ -192,7 +182,7 @@ def log_to_mlflow(
     run_tags: dict[str, str] | None = None,
 ) -> str:
     """Log an evaluation into its training run (of its plan record ``experiment``, or the one an imported record's
-    ``run_tags`` name; else a new run): :func:`headline_metrics`, and each client's ROUGE into its client's run, on its
+    ``run_tags`` name; else a new run): ``client_avg/*``, and each client's ROUGE into its client's run, on its
     adapter's LoggedModel and its ``test_sets`` dataset; the tag ``converged`` is readers.run_converged. Run id."""
     name, study = metrics["experiment"], str(experiment.get("study") or "main")
     exp_id = experiment_id(study, study_description(study))  # the study's description, which training does not set
@@ -209,7 +199,13 @@ def log_to_mlflow(
         keys = ("method", "partition", "seed", "study", "tau")
         tags = {k: str(experiment[k]) for k in keys if experiment.get(k) is not None}
         logger = RunLogger.start(study, name, {}, {"experiment": name, **tags}, clients=tuple(metrics["clients"]))
-    logger.log_metrics(headline_metrics(metrics), step=0)
+    # client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>, with the mean_ci interval as _ci_low/_high
+    headline = {}
+    for label, key in HEADLINE_KEYS.items():
+        headline[f"{HEADLINE_PREFIX}/{label}"] = float("nan" if (v := metrics["mean"][key]) is None else v)  # no client
+        interval = (metrics.get("mean_ci") or {}).get(key) or {}  # {"low": ..., "high": ...}
+        headline |= {f"{HEADLINE_PREFIX}/{label}_ci_{end}": float(value) for end, value in interval.items()}
+    logger.log_metrics(headline, step=0)
     # The record's evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a
     # trained run with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
     settings = {"adapter": metrics.get("adapter", cfg.adapter)} | (metrics.get("decoding") or {})

@@ -239,8 +239,10 @@ function download() {
     )
 
 
-def _read_key(path: Path) -> tuple[dict[str, Any], dict[str, KeyEntry]]:
-    """key.json and its entries by item id; a key lacking them, or a malformed entry, is a one-line DataError."""
+def score_sheets(sheet_dir: Path) -> dict[str, Any]:
+    """Win/tie/loss of the key's target against each opponent over every filled ``sheet*.csv`` (blank: not judged)."""
+    # key.json and its entries by item id; a key lacking them, or a malformed entry, is a one-line DataError
+    path = sheet_dir / "key.json"
     data = read_json(path, "answer key (the report stage writes it next to the blank sheets)")
     for name, kind in (("target", str), ("kit", str), ("items", dict)):
         if not isinstance(data.get(name), kind):
@@ -249,12 +251,6 @@ def _read_key(path: Path) -> tuple[dict[str, Any], dict[str, KeyEntry]]:
         key = {item: from_dict(KeyEntry, entry, f"{path}: items[{item!r}]") for item, entry in data["items"].items()}
     except ConfigError as exc:
         raise DataError(str(exc)) from None
-    return data, key
-
-
-def score_sheets(sheet_dir: Path) -> dict[str, Any]:
-    """Win/tie/loss of the key's target against each opponent over every filled ``sheet*.csv`` (blank: not judged)."""
-    data, key = _read_key(sheet_dir / "key.json")
     files = sorted(sheet_dir.glob("sheet*.csv"))
     if not files:
         raise DataError(f"{sheet_dir}: no sheet*.csv files to score")

@@ -10,14 +10,12 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.experiments.entries import Experiment
 from pipeline.experiments.train_config import UNITS
 from pipeline.paths import ProjectPaths
 from pipeline.results import claims, comparisons, figures, human_eval, tables
@@ -164,7 +162,18 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
         made.text("tables", paths.tables / "timing.md", tables.timing_markdown(timing))
         made.csv("tables", paths.tables / "timing.csv", timing)
 
-    atomic.write_json(paths.reports / "summary.json", summary_metrics(agg, planned, missing_eval), sort_keys=True)
+    # reports/summary.json: average ROUGE per study, configuration and client, and the mean over clients
+    averages: dict[str, Any] = {
+        "experiments_planned": len(planned),
+        "experiments_missing": len(missing_eval),
+        "experiments_evaluated": len(planned) - len(missing_eval),
+    }
+    for (study, label), grp in agg.groupby(["study", "label"], sort=True):
+        entry = {client: round(float(v), 4) for client, v in zip(grp["client"], grp["avg_rouge_mean"])}
+        entry["mean_over_clients"] = round(float(grp["avg_rouge_mean"].mean()), 4)
+        entry["n_seeds"] = int(grp["n_seeds"].min())
+        averages.setdefault(study, {})[label.replace(" ", "_")] = entry
+    atomic.write_json(paths.reports / "summary.json", averages, sort_keys=True)
     intervals = {
         c.label: average_interval(c, paths.eval_reports, inp.bootstrap)
         for c in inp.configurations
@@ -187,21 +196,6 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     }
     atomic.write_text(paths.reports / "README.md", readme(index, len(planned), paths.reports))
     return index
-
-
-def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:
-    """reports/summary.json: average ROUGE per study, configuration and client, and the mean over clients."""
-    out: dict[str, Any] = {
-        "experiments_planned": len(planned),
-        "experiments_missing": len(missing_eval),
-        "experiments_evaluated": len(planned) - len(missing_eval),
-    }
-    for (study, label), grp in agg.groupby(["study", "label"], sort=True):
-        entry = {client: round(float(v), 4) for client, v in zip(grp["client"], grp["avg_rouge_mean"])}
-        entry["mean_over_clients"] = round(float(grp["avg_rouge_mean"].mean()), 4)
-        entry["n_seeds"] = int(grp["n_seeds"].min())
-        out.setdefault(study, {})[label.replace(" ", "_")] = entry
-    return out
 
 
 # reports/metrics.json, the one DVC metrics file: what `dvc exp show` / `dvc metrics diff` put side by side across
