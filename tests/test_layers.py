@@ -286,7 +286,11 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # of the backbone record for its two lenient users (0 net). Five readers found nothing else to remove by structure.
 # The twenty-ninth session: +5 for a fix: the claims' per-client line when no tested comparison has a p-value (each
 # client's test set one meeting) says so, where pandas' idxmin over all-NaN p ended the report stage.
-PACKAGE_LINE_CEILING = 14_718
+# The thirtieth session: -52 from structure by four readers, one per layer (single-use helpers folded into their one
+# caller, one bound alias where two, a Flower base class's no-op __init__ call, an ArrayRecord round trip the server
+# undid); +5 for two fixes: a train record's example count that is no integer refused, and no interval for one
+# method's client average where a client has one meeting (as none for its comparisons).
+PACKAGE_LINE_CEILING = 14_671
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
