@@ -625,6 +625,22 @@ def test_the_results_texts_round_budget_counts_the_evaluated_runs(tmp_path):
     assert "2 of 2 runs are not converged" in budget
 
 
+@pytest.mark.parametrize("record", ["backbone.json", "analysis/kd_analysis.json"])
+@pytest.mark.parametrize(("content", "problem"), [("{not json", "not valid JSON"), ("[1]", "expected a JSON object")])
+def test_a_damaged_backbone_or_kd_record_is_one_line_naming_it(tmp_path, record, content, problem):
+    """The results text reads both records; a damaged one was json's bare JSONDecodeError, naming no file."""
+    from pipeline.common.schema import DataError
+    from pipeline.results.outputs import results_text
+    from tests.test_claims import _row
+
+    (tmp_path / "analysis").mkdir()
+    (tmp_path / record).write_text(content)
+    compared = pd.DataFrame([_row(method_a="fedselectkd", method_b="fedavg", ci_low=-1.0, ci_high=1.0, n_seeds=1)])
+    inp = report_inputs({"tau": 5.0, "experiments": {}})
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / record}: {problem}")):
+        results_text(inp, compared, tmp_path / "c.csv", tmp_path)
+
+
 @pytest.mark.parametrize(
     ("bases", "unit"),
     [

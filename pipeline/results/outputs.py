@@ -6,7 +6,6 @@ everything made and not made)."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import re
@@ -16,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common import atomic
+from pipeline.common.schema import read_json
 from pipeline.experiments.train_config import UNITS
 from pipeline.paths import ProjectPaths
 from pipeline.results import claims, comparisons, figures, human_eval, tables
@@ -90,7 +90,7 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
     """The results in words (pipeline.results.claims) under the profile's claim rules; ``root`` holds
     ``backbone.json``, ``analysis/kd_analysis.json`` and the train records ``train/`` (reports/ or a study folder)."""
     records = [
-        json.loads(f.read_text()) if f.is_file() else None
+        read_json(f, f.name) if f.is_file() else None
         for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")
     ]
     # the round budget of the evaluated runs, whose scores the comparisons hold (as the tables' marks: write_tables)
@@ -179,7 +179,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
         for c in inp.configurations
         if c.study == HEADLINE_STUDY
     }
-    kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}
+    kd = read_json(paths.kd_analysis, "KD analysis") if paths.kd_analysis.is_file() else {}
     atomic.write_json(paths.reports / "metrics.json", headline_metrics(agg, intervals, kd), sort_keys=True)
     # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
     ignored = sorted(d.name for d in paths.eval_reports.glob("*") if d.is_dir() and d.name not in planned_names)
