@@ -171,9 +171,9 @@ def test_tiny_training_and_evaluation_reach_the_server(ws, mlflow_server, tmp_pa
         ):
             value = metrics[f"client_avg/{label}"]
             assert value == pytest.approx(local["mean"][key])
-            low, high = metrics[f"client_avg/{label}_ci_low"], metrics[f"client_avg/{label}_ci_high"]
-            assert (low, high) == pytest.approx((local["mean_ci"][key]["low"], local["mean_ci"][key]["high"]))
-            assert low <= value <= high
+            # each client has one test example: no interval (docs/statistics.md), none logged; an interval's metrics:
+            # tests/test_tracking.py, through the same log_to_mlflow
+            assert key not in local["mean_ci"] and f"client_avg/{label}_ci_low" not in metrics
         children = post(
             f"{api}/runs/search",
             {
