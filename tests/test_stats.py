@@ -512,6 +512,29 @@ def test_seeds_with_their_own_test_examples_pool_a_meeting_across_the_clients_th
     assert (r.estimate, r.low, r.high, r.p_value) == pytest.approx(expected, rel=1e-10)
 
 
+def test_a_seed_whose_client_has_one_meeting_adds_nothing_to_the_nested_floor():
+    """Nested design, seed 1's first client has its three queries on one meeting: within that seed its spread is
+    unknown (G / (G - 1)), so it adds 0 to the floor's v_s and 0 to df_ex (1 meeting - 1 client), while the seeds'
+    spread, which in this design holds each seed's draw of test examples, still counts it; no NaN (one seed alone
+    has none: test_a_client_of_one_meeting_or_one_example_gives_no_interval_and_no_test). By hand: D_s = 4, 5, 4;
+    per client G / (G - 1) x (squared meeting sums of the centred scores) / n^2: seed 0 16/9 and 27/16, seed 1 0
+    and 1, seed 2 0 and 4; v_ex = their sum / (k^2 S^2); df_ex = (2 + 3 - 2) + (1 + 2 - 2) + (2 + 2 - 2) = 6."""
+    per_seed = [
+        [np.array([4.0, 6, 2]), np.array([1.0, 3, 5, 7])],
+        [np.array([9.0, 5, 7]), np.array([2.0, 6, 4, 0])],
+        [np.array([3.0, 1, 5]), np.array([8.0, 2, 4, 6])],
+    ]
+    clusters = [[np.array(list(c)) for c in seed] for seed in (("aab", "cdde"), ("fff", "gghh"), ("ijj", "kllk"))]
+    estimate, v_seed = 13 / 3, (1 / 3) / 3
+    v_ex = (16 / 9 + 27 / 16 + 0 + 1 + 0 + 4) / (4 * 9)
+    assert v_ex > v_seed  # the floor binds: the one-meeting client's missing part shows in the width
+    df = v_ex**2 / (v_seed**2 / 2 + v_ex**2 / 6)
+    half = sps.t.ppf(0.975, df) * math.sqrt(v_ex)
+    r = nested_interval(per_seed, CFG, clusters)
+    expected = (estimate, estimate - half, estimate + half, 2 * sps.t.sf(estimate / math.sqrt(v_ex), df), 3)
+    assert (r.estimate, r.low, r.high, r.p_value, r.n_seeds) == pytest.approx(expected, rel=1e-10)
+
+
 _Z = np.zeros
 _SAME_SEEDS = "bootstrap: every client needs the same seeds and at least one example"
 
