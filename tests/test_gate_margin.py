@@ -85,3 +85,23 @@ def test_an_experiment_choosing_it_has_it_in_its_plan_and_no_other_plan_changes(
     assert json.loads(after["margin-domain.json"])["train"]["kd_gate"] == "margin"
     cfg = kd_config(read_plan(tmp_path / "b" / "margin-domain.json"))
     assert (cfg.mode, cfg.kd_gate, cfg.tau) == ("selective", "margin", 0.5)
+
+
+def test_a_gate_name_registers_once_with_its_settings(monkeypatch):
+    """The KD gate registry's guard rail (pipeline/modeling/gates/registry.py): a second gate under a taken name is
+    refused and the first stands; a new one is registered with the class that checks its tau."""
+    from pipeline.modeling.gates.catalog import GATES
+    from pipeline.modeling.gates.registry import GATE_SETTINGS, register_gate
+
+    def gate(rows, cfg):
+        return rows.entropy < 0, float("nan")
+
+    first = GATES["entropy"]
+    with pytest.raises(ValueError, match="KD gate 'entropy' is registered twice"):
+        register_gate("entropy")(gate)
+    assert GATES["entropy"] is first
+    for registry in (GATES, GATE_SETTINGS):  # so that the registration below is undone after the test
+        monkeypatch.setitem(registry, "never", None)
+        del registry["never"]
+    assert register_gate("never", settings=int)(gate) is gate
+    assert GATES["never"] is gate and GATE_SETTINGS["never"] is int

@@ -277,3 +277,26 @@ def test_params_server_lr_defaults_to_flowers_for_the_chosen_optimiser(optimizer
     strategy = _strategy("fedopt", fedopt=fedopt)
     key = "server_learning_rate" if optimizer == "sgdm" else "eta"
     assert getattr(strategy, key) == inspect.signature(type(strategy)).parameters[key].default
+
+
+def test_a_strategy_module_registers_a_declared_name_once(monkeypatch):
+    """The extension point's guard rails (pipeline/federation/strategies/registry.py): a builder registers under a
+    name declared in methods.STRATEGIES, once, and the decorator hands the builder back unchanged."""
+    from pipeline.experiments.methods import STRATEGIES, StrategySpec
+    from pipeline.federation.strategies.catalog import BUILDERS
+    from pipeline.federation.strategies.registry import register_strategy
+
+    def build(settings, common, client_lr):
+        return None
+
+    with pytest.raises(ValueError, match=r"strategy 'fedsomething' is not declared in .*methods\.STRATEGIES"):
+        register_strategy("fedsomething")(build)
+    assert "fedsomething" not in BUILDERS
+    with pytest.raises(ValueError, match="strategy 'fedavg' is registered twice"):
+        register_strategy("fedavg")(build)
+    assert BUILDERS["fedavg"] is not build  # the first registration stands
+    monkeypatch.setitem(STRATEGIES, "fedsomething", StrategySpec("fedsomething"))
+    monkeypatch.setitem(BUILDERS, "fedsomething", None)  # so that the registration below is undone after the test
+    del BUILDERS["fedsomething"]
+    assert register_strategy("fedsomething")(build) is build
+    assert BUILDERS["fedsomething"] is build
