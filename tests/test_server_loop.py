@@ -908,6 +908,23 @@ def test_a_reply_with_other_metric_keys_or_records_than_the_plans_is_that_client
     assert_state(final, {k: v + 2 * DELTAS["Product"] for k, v in initial(path).items()}, exact=False)
 
 
+def test_a_run_none_of_whose_clients_ever_trained_fails_naming_the_first_failure(ws, caplog):
+    """Every sampled client failed in every round: nothing was trained, so the run is an error (one line, exit 2 at
+    the stage) naming the first failure, not a finished run whose adapters are the initial ones (it exited 0)."""
+    from pipeline.federation.processes import FederationError
+
+    path = write_plan("loop-neverfail", "fedavg", rounds=2, fraction_train=1.0)
+    script = Script(fail={(c, rnd) for c in WEIGHTS for rnd in (1, 2)})
+    with pytest.raises(FederationError, match=r"loop-neverfail: no client update in any round") as err:
+        run(path, script)
+    names(str(err.value), "Academic in round 1", "DataError")
+    # one round trained by one client is a run: it finishes
+    path = write_plan("loop-onefail", "fedavg", rounds=2, fraction_train=1.0)
+    script = Script(fail={(c, rnd) for c in WEIGHTS for rnd in (1, 2)} - {("Product", 2)})
+    final, history, _ = run(path, script)
+    assert [r["client"] for r in history if not r["failed"]] == ["Product"]
+
+
 def test_a_reply_that_trained_nothing_is_that_clients_failure_not_fednovas_or_a_division_by_zero(ws, caplog):
     """num-steps 0 (FedNova raised ValueError: it divides by each client's steps) and, in round 2, num-examples 0 in
     every reply (Flower's metric aggregation, FedAvg's and FedNova's, divides by the weights' sum: ZeroDivisionError,

@@ -20,7 +20,8 @@ HOST = "127.0.0.1"
 
 
 class FederationError(RuntimeError):
-    """A local deployment that could not start or did not finish (one line; pipeline.common.cli prints it)."""
+    """A local deployment that could not start or did not finish, or a run none of whose clients trained (one line;
+    pipeline.common.cli prints it)."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from flwr.serverapp import Grid
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
+from pipeline.federation.processes import FederationError
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     EVAL_METRICS,
@@ -186,7 +187,18 @@ def run_server(
 
         history.extend(rows[c] for c in sorted(rows))
         save_server_checkpoint(plan, rnd, state, strategy, history)
+    _refuse_untrained(plan.experiment, history)
     return state, history
+
+
+def _refuse_untrained(experiment: str, history: list[dict[str, Any]]) -> None:
+    """Clients were asked to train and every one failed every time: nothing was trained, so nothing is published."""
+    if (asked := [r for r in history if r["sampled"]]) and all(r["failed"] for r in asked):
+        first = asked[0]
+        raise FederationError(
+            f"{experiment}: no client update in any round, every sampled client failed (the first: "
+            f"{first['client']} in round {first['round']}: {first.get('error', 'no reason recorded')})"
+        )
 
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:
