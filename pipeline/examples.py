@@ -9,14 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import pandas as pd
-
 from pipeline.common import atomic, cli
 from pipeline.common.config import ConfigError, group
-from pipeline.common.schema import read_json
+from pipeline.common.schema import canonical_arrow_schema, read_json, read_parquet
 from pipeline.common.timing import stage_timer
 from pipeline.datasets.examples import ExamplesConfig, build_examples, stats_markdown, table_ii
 from pipeline.paths import PATHS
+
+# the columns of the ingest tables build_examples reads (not the spans, nor the source's file and line)
+INTERIM_COLUMNS = ("domain", "split", "meeting_id", "query_index", "query", "query_type", "turns", "summary")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         datasets = group(params, "ingest", args.params).get("datasets")
         if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
             raise ConfigError(f"{args.params} ingest.datasets: expected a list of dataset names, got {datasets!r}")
-        interim = {ds: pd.read_parquet(args.interim_dir / f"{ds}.parquet") for ds in datasets}
+        read = [col for col in canonical_arrow_schema() if col.name in INTERIM_COLUMNS]
+        interim = {ds: read_parquet(args.interim_dir / f"{ds}.parquet", "ingest table", read) for ds in datasets}
         examples, link_report = build_examples(interim, cfg)
         skipped = {
             ds: read_json(args.report_dir / f"ingest_{ds}.json", "ingest report")["skipped_by_reason"]
