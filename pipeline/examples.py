@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.common import atomic, cli
 from pipeline.common.config import ConfigError, group
-from pipeline.common.schema import canonical_arrow_schema, read_json, read_parquet
+from pipeline.common.schema import DataError, canonical_arrow_schema, read_json, read_parquet
 from pipeline.common.timing import stage_timer
 from pipeline.datasets.examples import ExamplesConfig, build_examples, stats_markdown, table_ii
 from pipeline.paths import PATHS
@@ -37,14 +37,17 @@ def main(argv: list[str] | None = None) -> None:
         read = [col for col in canonical_arrow_schema() if col.name in INTERIM_COLUMNS]
         interim = {ds: read_parquet(args.interim_dir / f"{ds}.parquet", "ingest table", read) for ds in datasets}
         examples, link_report = build_examples(interim, cfg)
-        skipped = {
-            ds: read_json(args.report_dir / f"ingest_{ds}.json", "ingest report")["skipped_by_reason"]
-            for ds in datasets
-        }
+        skipped = {}  # dataset -> reason -> count
+        for ds in datasets:
+            path = args.report_dir / f"ingest_{ds}.json"
+            if not isinstance(by := read_json(path, "ingest report").get("skipped_by_reason"), dict):
+                raise DataError(f"{path}: ingest report without its skipped_by_reason object")
+            skipped[ds] = by
         stats = table_ii(examples)
+        markdown = stats_markdown(stats, skipped, link_report)  # before any write: a stage that stops writes nothing
         atomic.to_parquet(examples, args.out, index=False)
         atomic.write_json(args.report_dir / "stats.json", {**stats, "skipped": skipped, "meeting_links": link_report})
-        atomic.write_text(args.report_dir / "stats.md", stats_markdown(stats, skipped, link_report))
+        atomic.write_text(args.report_dir / "stats.md", markdown)
         print(f"{len(examples)} examples -> {args.out}")
 
 

@@ -261,6 +261,22 @@ def test_a_damaged_ingest_table_is_one_error_line_naming_it_and_the_column(inter
     assert not (tmp_path / "examples.parquet").exists()
 
 
+@pytest.mark.parametrize("content", ['{"n_records": 3}', '{"skipped_by_reason": ["empty dialogue"]}'])
+def test_an_ingest_report_without_its_skipped_counts_is_one_line_and_writes_nothing(
+    interim, tmp_path, monkeypatch, content
+):
+    """An ingest report without the object of skipped counts by reason (another version's, or edited) was a KeyError
+    traceback; a list there crashed the markdown after examples.parquet and stats.json had been written."""
+    from pipeline.common.cli import EXIT_USAGE
+
+    _, report = write_samsum_stage_inputs(interim, tmp_path)
+    report.write_text(content)
+    outcome = run_examples_stage(tmp_path, monkeypatch)
+    assert outcome.status == EXIT_USAGE and "Traceback" not in outcome.stderr, outcome.stderr
+    names(outcome.lines[-1], f"error: {report}: ", "skipped_by_reason")
+    assert not (tmp_path / "examples.parquet").exists() and not (tmp_path / "reports" / "stats.json").exists()
+
+
 def test_the_stage_on_an_intact_ingest_table_writes_its_examples(interim, tmp_path, monkeypatch):
     write_samsum_stage_inputs(interim, tmp_path)
     assert run_examples_stage(tmp_path, monkeypatch).status == 0
