@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise DataError(f"{path}: ingest report without its skipped_by_reason object")
             skipped[ds] = by
         stats = table_ii(examples)
-        markdown = stats_markdown(stats, skipped, link_report)  # before any write: a stage that stops writes nothing
+        # before any write: a stage that stops writes nothing
+        markdown = stats_markdown(stats, skipped, link_report, cfg.qmsum_query_types)
         atomic.to_parquet(examples, args.out, index=False)
         atomic.write_json(args.report_dir / "stats.json", {**stats, "skipped": skipped, "meeting_links": link_report})
         atomic.write_text(args.report_dir / "stats.md", markdown)

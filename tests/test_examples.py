@@ -282,3 +282,27 @@ def test_the_stage_on_an_intact_ingest_table_writes_its_examples(interim, tmp_pa
     assert run_examples_stage(tmp_path, monkeypatch).status == 0
     written = pd.read_parquet(tmp_path / "examples.parquet")
     assert written.equals(build_examples({"samsum": interim["samsum"]}, ExamplesConfig())[0])
+
+
+def test_stats_md_names_the_query_types_its_qmsum_table_counts(interim, tmp_path, monkeypatch):
+    """stats.md headed its QMSum table 'specific queries (the paper's Table II)' whatever examples.qmsum_query_types
+    chose: with general queries too its n and averages count both kinds, beside the paper's specific-only numbers."""
+    from pipeline.common.schema import canonical_arrow_schema
+
+    write_samsum_stage_inputs(interim, tmp_path)
+    interim["qmsum"].to_parquet(tmp_path / "interim" / "qmsum.parquet", schema=canonical_arrow_schema(), index=False)
+    (tmp_path / "reports" / "ingest_qmsum.json").write_text('{"skipped_by_reason": {}}')
+    params = "ingest:\n  datasets: [qmsum]\nexamples:\n  qmsum_query_types: [%s]\n"
+    for types, heading in (
+        ("specific", "QMSum, specific queries (the paper's Table II)."),
+        ("general, specific", None),
+    ):
+        (tmp_path / "p.yaml").write_text(params % types)
+        assert run_examples_stage(tmp_path, monkeypatch).status == 0
+        md = (tmp_path / "reports" / "stats.md").read_text()
+        qmsum = pd.read_parquet(tmp_path / "examples.parquet")
+        assert set(qmsum.query_type) == set(types.split(", "))
+        if heading:  # the committed wording when the table is the paper's kind of example
+            assert heading in md
+        else:
+            assert "QMSum, general and specific queries" in md and "specific queries only" in md, md
