@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         # The names only (the ingest stage checked them against the readers): reading them through
         # pipeline.datasets.sources would put every reader module into this stage's deps, and the backbone's.
         datasets = group(params, "ingest", args.params).get("datasets")
-        if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
+        if not (isinstance(datasets, list) and datasets and all(isinstance(d, str) for d in datasets)):  # 1 or more
             raise ConfigError(f"{args.params} ingest.datasets: expected a list of dataset names, got {datasets!r}")
         read = [col for col in canonical_arrow_schema() if col.name in INTERIM_COLUMNS]
         interim = {ds: read_parquet(args.interim_dir / f"{ds}.parquet", "ingest table", read) for ds in datasets}

@@ -306,3 +306,16 @@ def test_stats_md_names_the_query_types_its_qmsum_table_counts(interim, tmp_path
             assert heading in md
         else:
             assert "QMSum, general and specific queries" in md and "specific queries only" in md, md
+
+
+def test_an_empty_ingest_datasets_list_is_one_error_line_not_an_empty_examples_table(interim, tmp_path, monkeypatch):
+    """With `ingest.datasets: []` the stage wrote an examples table of no row and a Table II of none, exit 0; the
+    partition stage then stopped on 'no QMSum examples', one stage late."""
+    from pipeline.common.cli import EXIT_USAGE
+
+    write_samsum_stage_inputs(interim, tmp_path)
+    (tmp_path / "p.yaml").write_text("ingest:\n  datasets: []\n")
+    outcome = run_examples_stage(tmp_path, monkeypatch)
+    assert outcome.status == EXIT_USAGE and "Traceback" not in outcome.stderr, outcome.stderr
+    names(outcome.lines[-1], f"error: {tmp_path / 'p.yaml'} ingest.datasets: ", "got []")
+    assert not (tmp_path / "examples.parquet").exists() and not (tmp_path / "reports" / "stats.json").exists()
