@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import pandas as pd
+import pyarrow as pa
 
 from pipeline.common import atomic, cli
 from pipeline.common.config import ConfigError
+from pipeline.common.schema import read_parquet
 from pipeline.common.timing import stage_timer
 from pipeline.partitioning import partitions
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         _, cfg = cli.read_params(args.params, partition=PartitionConfig)
         if args.seed < 0:  # numpy's generators refuse it (a traceback), as partition.seeds does
             raise ConfigError(f"--seed {args.seed} is out of range; allowed: >= 0 (as partition.seeds)")
-        examples = pd.read_parquet(args.examples, columns=partitions.EXAMPLE_COLUMNS_USED)
+        columns = [pa.field(name, pa.string()) for name in partitions.EXAMPLE_COLUMNS_USED]
+        examples = read_parquet(Path(args.examples), "examples table", columns)
         part = partitions.make_partition(examples, args.scheme, args.seed, cfg)
         out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"
         atomic.write_json(out, partitions.partition_json(part, args.scheme, args.seed, cfg), indent=1)

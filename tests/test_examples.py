@@ -201,3 +201,121 @@ def test_a_damaged_or_missing_ingest_report_is_one_error_line_naming_it(interim,
     assert outcome.status == EXIT_USAGE and "Traceback" not in outcome.stderr, outcome.stderr
     assert outcome.lines[-1].startswith(f"error: {report}: "), outcome.stderr
     assert not (tmp_path / "examples.parquet").exists()  # nothing written from a stage that stopped
+
+
+def run_examples_stage(tmp_path, monkeypatch):
+    """The stage on the inputs of :func:`write_samsum_stage_inputs`, run in ``tmp_path`` (its timing record too)."""
+    from pipeline import examples as stage
+    from tests.reliability import run_inprocess
+
+    monkeypatch.chdir(tmp_path)
+    return run_inprocess(
+        stage.main,
+        ["--params", str(tmp_path / "p.yaml"), "--interim-dir", str(tmp_path / "interim")]
+        + ["--report-dir", str(tmp_path / "reports"), "--out", str(tmp_path / "examples.parquet")],
+    )
+
+
+def write_samsum_stage_inputs(interim, tmp_path, edit=None) -> tuple[Path, Path]:
+    import pyarrow as pa
+
+    from pipeline.common.schema import canonical_arrow_schema
+
+    (tmp_path / "interim").mkdir()
+    (tmp_path / "reports").mkdir()
+    table, report = tmp_path / "interim" / "samsum.parquet", tmp_path / "reports" / "ingest_samsum.json"
+    frame = (edit or (lambda frame: frame))(interim["samsum"])
+    schema = canonical_arrow_schema()  # as ingest writes it, less a column the edit dropped
+    frame.to_parquet(table, schema=pa.schema([c for c in schema if c.name in frame.columns]), index=False)
+    report.write_text('{"skipped_by_reason": {"empty dialogue": 1}}')
+    (tmp_path / "p.yaml").write_text("ingest:\n  datasets: [samsum]\n")
+    return table, report
+
+
+INTERIM_DAMAGES = {  # an ingest table cut short, from another version, or written by hand -> what the line names
+    "truncated": (None, "not a readable ingest table"),
+    "empty file": (None, "not a readable ingest table"),
+    "no summary column": (lambda f: f.drop(columns=["summary"]), "column summary is missing"),
+    "no turns column": (lambda f: f.drop(columns=["turns"]), "column turns is missing"),
+    "null summary": (lambda f: f.assign(summary=[None, *f.summary[1:]]), "column summary is null in row 0"),
+    "null turns": (lambda f: f.assign(turns=[None, *f.turns[1:]]), "column turns is null in row 0"),
+}
+
+
+@pytest.mark.parametrize("damage", INTERIM_DAMAGES)
+def test_a_damaged_ingest_table_is_one_error_line_naming_it_and_the_column(interim, tmp_path, monkeypatch, damage):
+    """The stage reads each dataset's ingest table (data/interim/<dataset>.parquet): one cut short was pyarrow's
+    ArrowInvalid traceback, one without a column an AttributeError from inside build_examples ('Pandas' object has
+    no attribute 'summary'), a null value an AttributeError or TypeError from a word counter."""
+    from pipeline.common.cli import EXIT_USAGE
+
+    edit, problem = INTERIM_DAMAGES[damage]
+    if edit is None:  # the columns of the schema ingest writes, then the file damaged
+        table, _ = write_samsum_stage_inputs(interim, tmp_path)
+        table.write_bytes(table.read_bytes()[: len(table.read_bytes()) // 2] if damage == "truncated" else b"")
+    else:
+        table, _ = write_samsum_stage_inputs(interim, tmp_path, edit)
+    outcome = run_examples_stage(tmp_path, monkeypatch)
+    assert outcome.status == EXIT_USAGE and "Traceback" not in outcome.stderr, outcome.stderr
+    names(outcome.lines[-1], f"error: {table}: ", problem)
+    assert not (tmp_path / "examples.parquet").exists()
+
+
+@pytest.mark.parametrize("content", ['{"n_records": 3}', '{"skipped_by_reason": ["empty dialogue"]}'])
+def test_an_ingest_report_without_its_skipped_counts_is_one_line_and_writes_nothing(
+    interim, tmp_path, monkeypatch, content
+):
+    """An ingest report without the object of skipped counts by reason (another version's, or edited) was a KeyError
+    traceback; a list there crashed the markdown after examples.parquet and stats.json had been written."""
+    from pipeline.common.cli import EXIT_USAGE
+
+    _, report = write_samsum_stage_inputs(interim, tmp_path)
+    report.write_text(content)
+    outcome = run_examples_stage(tmp_path, monkeypatch)
+    assert outcome.status == EXIT_USAGE and "Traceback" not in outcome.stderr, outcome.stderr
+    names(outcome.lines[-1], f"error: {report}: ", "skipped_by_reason")
+    assert not (tmp_path / "examples.parquet").exists() and not (tmp_path / "reports" / "stats.json").exists()
+
+
+def test_the_stage_on_an_intact_ingest_table_writes_its_examples(interim, tmp_path, monkeypatch):
+    write_samsum_stage_inputs(interim, tmp_path)
+    assert run_examples_stage(tmp_path, monkeypatch).status == 0
+    written = pd.read_parquet(tmp_path / "examples.parquet")
+    assert written.equals(build_examples({"samsum": interim["samsum"]}, ExamplesConfig())[0])
+
+
+def test_stats_md_names_the_query_types_its_qmsum_table_counts(interim, tmp_path, monkeypatch):
+    """stats.md headed its QMSum table 'specific queries (the paper's Table II)' whatever examples.qmsum_query_types
+    chose: with general queries too its n and averages count both kinds, beside the paper's specific-only numbers."""
+    from pipeline.common.schema import canonical_arrow_schema
+
+    write_samsum_stage_inputs(interim, tmp_path)
+    interim["qmsum"].to_parquet(tmp_path / "interim" / "qmsum.parquet", schema=canonical_arrow_schema(), index=False)
+    (tmp_path / "reports" / "ingest_qmsum.json").write_text('{"skipped_by_reason": {}}')
+    params = "ingest:\n  datasets: [qmsum]\nexamples:\n  qmsum_query_types: [%s]\n"
+    for types, heading in (
+        ("specific", "QMSum, specific queries (the paper's Table II)."),
+        ("general, specific", None),
+    ):
+        (tmp_path / "p.yaml").write_text(params % types)
+        assert run_examples_stage(tmp_path, monkeypatch).status == 0
+        md = (tmp_path / "reports" / "stats.md").read_text()
+        qmsum = pd.read_parquet(tmp_path / "examples.parquet")
+        assert set(qmsum.query_type) == set(types.split(", "))
+        if heading:  # the committed wording when the table is the paper's kind of example
+            assert heading in md
+        else:
+            assert "QMSum, general and specific queries" in md and "specific queries only" in md, md
+
+
+def test_an_empty_ingest_datasets_list_is_one_error_line_not_an_empty_examples_table(interim, tmp_path, monkeypatch):
+    """With `ingest.datasets: []` the stage wrote an examples table of no row and a Table II of none, exit 0; the
+    partition stage then stopped on 'no QMSum examples', one stage late."""
+    from pipeline.common.cli import EXIT_USAGE
+
+    write_samsum_stage_inputs(interim, tmp_path)
+    (tmp_path / "p.yaml").write_text("ingest:\n  datasets: []\n")
+    outcome = run_examples_stage(tmp_path, monkeypatch)
+    assert outcome.status == EXIT_USAGE and "Traceback" not in outcome.stderr, outcome.stderr
+    names(outcome.lines[-1], f"error: {tmp_path / 'p.yaml'} ingest.datasets: ", "got []")
+    assert not (tmp_path / "examples.parquet").exists() and not (tmp_path / "reports" / "stats.json").exists()

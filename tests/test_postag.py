@@ -177,6 +177,35 @@ def test_stage_cli_on_tiny_backbone(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    ("damage", "problem"),
+    [("truncated", "not a readable examples table"), ("no target", "column target is missing")]
+    + [("null target", "column target is null in row 1"), ("integer ids", "column example_id is int64")],
+)
+def test_a_damaged_examples_table_is_one_error_line_naming_it(tmp_path, monkeypatch, capsys, damage, problem):
+    """The stage reads data/processed/examples.parquet: one cut short was pyarrow's ArrowInvalid traceback, one
+    without the target column pyarrow's multi-line schema dump, a null target a TypeError from the tokenizer; integer
+    ids were tagged and written as numbers."""
+    monkeypatch.chdir(tmp_path)
+    backbone = save_tiny("bert2bert", tmp_path / "backbone")
+    frame = pd.DataFrame({"example_id": ["q0", "q1"], "dataset": ["qmsum"] * 2, "target": [SENTENCE] * 2})
+    edits = {
+        "no target": lambda f: f.drop(columns=["target"]),
+        "null target": lambda f: f.assign(target=[SENTENCE, None]),
+        "integer ids": lambda f: f.assign(example_id=[0, 1]),
+    }
+    edits.get(damage, lambda f: f)(frame).to_parquet("examples.parquet")
+    if damage == "truncated":
+        (tmp_path / "examples.parquet").write_bytes((tmp_path / "examples.parquet").read_bytes()[:-100])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"postag": {"datasets": ["qmsum"]}}))
+    capsys.readouterr()  # what saving the tiny backbone printed
+    args = ["--examples", "examples.parquet", "--backbone", str(backbone), "--params", "params.yaml"]
+    assert run_cli(postag.main, [*args, "--out", "postags.parquet", "--report", "postag.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: examples.parquet: ") and problem in err[0], err
+    assert not (tmp_path / "postags.parquet").exists() and not (tmp_path / "postag.json").exists()
+
+
+@pytest.mark.parametrize(
     ("postag_params", "message"),
     [
         ({"datasets": ["qmsun"]}, "error: params.yaml postag.datasets: ['qmsun'] not in "),

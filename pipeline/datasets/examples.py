@@ -186,11 +186,16 @@ def table_ii(examples: pd.DataFrame) -> dict[str, Any]:
     return stats
 
 
-def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], links: dict[str, Any]) -> str:
+def stats_markdown(
+    stats: dict[str, Any], skipped: dict[str, dict[str, int]], links: dict[str, Any], query_types=("specific",)
+) -> str:
+    """``query_types``: examples.qmsum_query_types, the kinds of QMSum query the examples (and so the table) hold."""
+    paper = "" if list(query_types) == ["specific"] else ", whose numbers count specific queries only"
     out = [
         "# Data statistics (ours / paper)",
         "",
-        "QMSum, specific queries (the paper's Table II). Words: summary = `str.split(' ')` (the paper's counter,",
+        f"QMSum, {' and '.join(query_types)} queries (the paper's Table II{paper}). Words: summary = `str.split(' ')` "
+        "(the paper's counter,",
         "reproduces Table II exactly); spoken = whitespace words of `speaker content` with `{...}` tags removed",
         "(the paper's counter is unknown).",
         "",

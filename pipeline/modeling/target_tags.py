@@ -21,11 +21,12 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, PositiveInt, config
-from pipeline.common.schema import DataError
+from pipeline.common.schema import DataError, read_parquet
 from pipeline.datasets.postags import POSTAG_COLUMNS
 from pipeline.modeling.batching import target_labels
 
@@ -142,7 +143,8 @@ def write_target_tags(
 
     if not examples_path.exists():
         raise FileNotFoundError(f"{examples_path}: examples not found (run `dvc repro examples`)")
-    examples = pd.read_parquet(examples_path, columns=["example_id", "dataset", "target"])
+    columns = [pa.field(name, pa.string()) for name in ("example_id", "dataset", "target")]
+    examples = read_parquet(examples_path, "examples table", columns)
     n_all = len(examples)
     if cfg.datasets:
         if unknown := sorted(set(cfg.datasets) - set(examples["dataset"].unique())):
