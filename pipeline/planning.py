@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -43,10 +44,11 @@ class ModelGroup(ModelConfig, CacheConfig):
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: str = "params.yaml") -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
     where = f"{file} experiments.{name}"
-    if not isinstance(name, str) or not name or "/" in name or name in RESERVED_NAMES:
+    # one argument of the train stage's shell command (dvc.yaml: --experiment ${key}) and one folder in models/
+    if not isinstance(name, str) or not re.fullmatch(r"\w[\w.-]*", name) or name in RESERVED_NAMES:
         raise ConfigError(
-            f"{file} experiments: invalid experiment name {name!r} (a string, no '/', not one of "
-            f"{sorted(RESERVED_NAMES)}: those are directories under models/)"
+            f"{file} experiments: invalid experiment name {name!r} (a string of letters, digits, '_', '-' and '.', "
+            f"starting with a letter or digit, not one of {sorted(RESERVED_NAMES)}: those are directories under models/)"
         )
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")

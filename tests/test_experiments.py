@@ -329,6 +329,27 @@ def test_an_experiment_name_yaml_reads_as_a_number_is_one_line():
         declared(params)
 
 
+def test_an_experiment_name_the_train_stage_cannot_carry_is_refused_at_planning():
+    """dvc.yaml runs `python -m pipeline.train --experiment ${key}` through a shell and writes models/${key}. A name
+    with a space passed planning and reached the train stage as two arguments (argparse: unrecognized arguments);
+    '..' made models/.. (the project root) the run's output directory; '-x' reads as an option. Each is refused when
+    the plans are made, and a name that passes is one argument of that command and a folder inside models/."""
+    import shlex
+
+    from pipeline.planning import declared
+
+    command = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["do"]["cmd"]
+    entry = {"method": "fedavg", "partition": "domain/seed0"}
+    for name in ["fedavg domain", "..", ".", "-x", "a;b", "a\nb", "$HOME", "x'y"]:
+        with pytest.raises(ConfigError, match=r"^params.yaml experiments: invalid experiment name "):
+            declared(_params(experiments={name: entry}))
+    for name in ["fedavg-domain", "sel_s0", "tau-1.5", "seed7"]:
+        assert [e.name for e in declared(_params(experiments={name: entry}))] == [name]
+        argv = shlex.split(command.replace("${key}", name))
+        assert argv[argv.index("--experiment") + 1 :] == [name]
+        assert (ROOT / "models" / name).resolve().parent == ROOT / "models"
+
+
 def test_an_entrys_privacy_overrides_reach_its_plan_alone():
     """A privacy-utility study in one DVC experiment: each entry's `privacy` mapping is merged over params.yaml
     privacy for that entry; entries without one keep the plan (and hash) they had."""
