@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +17,7 @@ from pipeline.common import atomic
 from pipeline.common.config import ConfigError, config, from_dict, group
 from pipeline.common.integrity import file_hash
 from pipeline.experiments.entries import Experiment, Inherited, privacy_label
-from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_strategy
+from pipeline.experiments.methods import METHODS, STRATEGY_KEYS, MethodSpec, get_method, get_strategy
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, check_run_keys
@@ -43,10 +44,11 @@ class ModelGroup(ModelConfig, CacheConfig):
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: str = "params.yaml") -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
     where = f"{file} experiments.{name}"
-    if not isinstance(name, str) or not name or "/" in name or name in RESERVED_NAMES:
+    # one argument of the train stage's shell command (dvc.yaml: --experiment ${key}) and one folder in models/
+    if not isinstance(name, str) or not re.fullmatch(r"\w[\w.-]*", name) or name in RESERVED_NAMES:
         raise ConfigError(
-            f"{file} experiments: invalid experiment name {name!r} (a string, no '/', not one of "
-            f"{sorted(RESERVED_NAMES)}: those are directories under models/)"
+            f"{file} experiments: invalid experiment name {name!r} (a string of letters, digits, '_', '-' and '.', "
+            f"starting with a letter or digit, not one of {sorted(RESERVED_NAMES)}: those are directories under models/)"
         )
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
@@ -72,6 +74,8 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any], file: st
     if exp.scheme not in SCHEMES:
         raise ConfigError(f"{where}.partition: unknown partition scheme {exp.scheme!r}; allowed: {sorted(SCHEMES)}")
     method = get_method(exp.method)
+    if unread := sorted(set(overrides) & _unread(method)):  # its plan would be the same without them
+        raise ConfigError(f"{where}: train key(s) {unread} set, but method {method.name!r} does not read them")
     resolved = exp.privacy_config(params, file)  # checks the entry's privacy keys and values
     if exp.privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
         raise ConfigError(
@@ -89,25 +93,33 @@ def declared(params: dict[str, Any], file: str = "params.yaml") -> list[Experime
     return [parse_entry(name, raw, params, file) for name, raw in group(params, "experiments", file).items()]
 
 
+def _unread(method: MethodSpec) -> set[str]:
+    """The `train` keys ``method`` never reads: left out of its plan, and an entry of it may not set them."""
+    rules = (  # (whether it applies, the keys it leaves out)
+        (method.kd_mode == "ce", ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")),
+        (method.kd_mode != "selective", ("entropy_log_base", "tau_scale", "kd_gate")),
+        (method.new_client != "post", ("new_client", "join")),  # only a late joiner is named (pre: all from round 1)
+        (not method.federated, ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")),
+        (not method.pooled, ("centralized_steps",)),  # the pooled training set's round size (AdaCentralized)
+        (method.local_from_global, ("local_adapter",)),  # the server average overwrites the adapter whatever this says
+    )
+    own = get_strategy(method.strategy).params_keys if method.strategy is not None else ()
+    return {key for applies, keys in rules if applies for key in keys} | (STRATEGY_KEYS - set(own))
+
+
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
     """The plan's `train` mapping: the keys that only matter for some methods are left out of other methods' plans,
     so changing them does not rerun experiments whose result cannot change."""
     out = dataclasses.asdict(train)
     strategy_params = out.pop("strategy_params")
-    rules = (  # (whether it applies, the keys it leaves out)
+    rules = (  # (whether it applies, the keys it leaves out) by the values, beside those its method never reads
         (train.kd_gate == "entropy", ("kd_gate",)),  # the paper's gate: plans as before
-        (method.kd_mode == "ce", ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")),
-        (method.kd_mode != "selective", ("entropy_log_base", "tau_scale", "kd_gate")),
-        (method.new_client != "post", ("new_client", "join")),  # only a late joiner is named (pre: all from round 1)
         (not train.stop.enabled, ("stop",)),  # a fixed number of rounds: plans as before train.stop existed
-        (not method.federated, ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")),
-        (not method.pooled, ("centralized_steps",)),  # the pooled training set's round size (AdaCentralized)
-        (method.local_from_global, ("local_adapter",)),  # the server average overwrites the adapter whatever this says
         (train.transfer_dtype == "fp32", ("transfer_delta",)),  # fp32 sends the weights themselves, exactly
         # no cap: the trained count is the full train size
         (train.max_train_examples_per_client is None, ("weight_by",)),
     )
-    drop = {key for applies, keys in rules if applies for key in keys}
+    drop = _unread(method) | {key for applies, keys in rules if applies for key in keys}
     if method.strategy is not None:  # the settings of this method's strategy only (its own params keys)
         out.update(get_strategy(method.strategy).plan_entries(strategy_params))
     return {k: v for k, v in out.items() if k not in drop}

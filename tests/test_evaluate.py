@@ -90,6 +90,8 @@ def workspace(tmp_path_factory):
                 "partition": "domain/seed0",
                 "seed": 0,
                 "model": MODEL,
+                "tau": 5.0,  # a plan of selective KD has its tau, and every plan its train group (read_plan checks)
+                "train": {},
             }
         )
     )

@@ -329,6 +329,71 @@ def test_an_experiment_name_yaml_reads_as_a_number_is_one_line():
         declared(params)
 
 
+def test_an_experiment_name_the_train_stage_cannot_carry_is_refused_at_planning():
+    """dvc.yaml runs `python -m pipeline.train --experiment ${key}` through a shell and writes models/${key}. A name
+    with a space passed planning and reached the train stage as two arguments (argparse: unrecognized arguments);
+    '..' made models/.. (the project root) the run's output directory; '-x' reads as an option. Each is refused when
+    the plans are made, and a name that passes is one argument of that command and a folder inside models/."""
+    import shlex
+
+    from pipeline.planning import declared
+
+    command = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["do"]["cmd"]
+    entry = {"method": "fedavg", "partition": "domain/seed0"}
+    for name in ["fedavg domain", "..", ".", "-x", "a;b", "a\nb", "$HOME", "x'y"]:
+        with pytest.raises(ConfigError, match=r"^params.yaml experiments: invalid experiment name "):
+            declared(_params(experiments={name: entry}))
+    for name in ["fedavg-domain", "sel_s0", "tau-1.5", "seed7"]:
+        assert [e.name for e in declared(_params(experiments={name: entry}))] == [name]
+        argv = shlex.split(command.replace("${key}", name))
+        assert argv[argv.index("--experiment") + 1 :] == [name]
+        assert (ROOT / "models" / name).resolve().parent == ROOT / "models"
+
+
+def test_an_entrys_train_override_either_changes_its_plan_or_is_refused():
+    """`kd_lambda: 0.5` on a fedavg entry (which distils nothing) planned exactly as without it, and the tables
+    labelled the entry `fedavg kd_lambda=0.5` as if it were a variant (with_labels); so did every override of a key
+    its method never reads (hardkd's kd_gate, fedkd's tau_scale, single's fraction_train, fedavg's proximal_mu ...),
+    where `tau` on such a method is refused. Each such override is now refused at planning, naming it; one the method
+    reads still reaches its plan."""
+    from pipeline.experiments.methods import METHODS
+    from pipeline.planning import declared, resolve_plan
+
+    overrides = {  # each differs from params.yaml's value and is valid on its own
+        "kd_lambda": 0.5,
+        "kd_temperature": 2.0,
+        "kd_direction": "student_to_teacher",
+        "entropy_log_base": "2",
+        "tau_scale": "max_entropy",
+        "kd_gate": "margin",
+        "new_client": "Product",
+        "join": {"max_round": 2},
+        "local_adapter": "reset",
+        "fraction_train": 0.5,
+        "transfer_dtype": "int8",
+        "centralized_steps": "epoch",
+        "proximal_mu": 0.5,
+        "fedopt": {"server_lr": 0.5},
+        "fedtrimmedavg": {"beta": 0.2},
+    }
+    refused = set()
+    for method, spec in METHODS.items():
+        entry = {"method": method, "partition": "extreme/seed0"} | ({"tau": 0.5} if spec.uses_tau else {})
+        params = _params(experiments={"x": entry})
+        base = resolve_plan(declared(params)[0], params)
+        for key, value in overrides.items():
+            params = _params(experiments={"x": entry | {key: value}})
+            try:
+                plan = resolve_plan(declared(params)[0], params)
+            except ConfigError as exc:
+                assert str(exc).startswith("params.yaml experiments.x: ") and repr(key) in str(exc), str(exc)
+                refused.add((method, key))
+                continue
+            assert plan != base, f"{method}: {key}: {value!r} planned as without it"
+    assert {("fedavg", "kd_lambda"), ("hardkd", "kd_gate"), ("single", "fraction_train")} <= refused
+    assert not {("fedkd", "kd_lambda"), ("fedprox", "proximal_mu"), ("centralized", "centralized_steps")} & refused
+
+
 def test_an_entrys_privacy_overrides_reach_its_plan_alone():
     """A privacy-utility study in one DVC experiment: each entry's `privacy` mapping is merged over params.yaml
     privacy for that entry; entries without one keep the plan (and hash) they had."""

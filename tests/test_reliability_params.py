@@ -312,6 +312,43 @@ def test_train_stage_checks_its_plan_before_touching_outputs(tmp_path, monkeypat
     assert not (tmp_path / "models").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        # numpy's generators (AdaCentralized's round window) refuse a negative seed: it failed inside training
+        ("seed", -1, r"seed=-1 is out of range"),
+        ("seed", "0", r"seed: expected an integer"),
+        ("tau", -1.0, r"tau=-1.0 is out of range"),  # the entropy gate never distilled: trained as fedavg's KD-less
+        ("tau", None, r"tau"),  # selective KD without tau read it as inf: KD on every token, trained as fedkd
+        ("train", None, r"train"),  # trained with the code's defaults (3 rounds, lr 2e-4, ...), not the plan's
+        ("train", [1], r"train"),  # a TypeError traceback
+        ("model", None, r"model"),  # the code's default model shape, not the plan's
+    ],
+)
+def test_train_stage_refuses_a_plan_edited_by_hand_before_touching_outputs(tmp_path, monkeypatch, key, value, named):
+    """Every value planning writes is checked again where the train stage reads its plan file (the first thing it
+    does): a plan file edited by hand with a value planning refuses, or without one it needs, is one line naming the
+    file and the key, and nothing is created. Before, each of these was read as given and trained (or failed later)."""
+    from pipeline import train
+    from pipeline.planning import check_params, write_plans
+
+    monkeypatch.chdir(tmp_path)
+    plans = tmp_path / "plans"
+    write_plans(check_params(copy.deepcopy(BASE)), plans)
+    path = plans / "fedselectkd-domain.json"
+    plan = json.loads(path.read_text())
+    plan[key] = value
+    path.write_text(json.dumps(plan))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(BASE))  # its run-time settings
+    outcome = run_inprocess(train.main, ["--experiment", "fedselectkd-domain", "--plans", str(plans)])
+    assert outcome.status == EXIT_USAGE, outcome.stderr
+    assert len(outcome.lines) == 1 and re.search(rf"^error: {re.escape(str(path))}: .*{named}", outcome.lines[0]), (
+        outcome.stderr
+    )
+    assert not (tmp_path / "models").exists() and not (tmp_path / "mlflow.db").exists()
+    assert not (tmp_path / "data").exists()  # nothing read past the plan (the partition, the examples)
+
+
 def test_top_k_beyond_the_decoder_layers_names_the_allowed_range():
     """top_k's upper bound is the backbone's: checked when the model is built, before any training."""
     from tiny_models import tiny

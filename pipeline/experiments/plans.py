@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pipeline.common.config import ConfigError, from_dict
+from pydantic import Field
+
+from pipeline.common.config import ConfigError, NonNegativeInt, config, from_dict
 from pipeline.common.schema import read_json
 from pipeline.experiments.methods import MethodSpec, get_method
 from pipeline.experiments.model import ModelConfig
@@ -24,18 +25,18 @@ from pipeline.paths import PATHS
 RUNS_DIR = PATHS.root / "data/cache/runs"
 
 
-@dataclass
+@config
 class Plan:
-    """A plan file as the train stage reads it: one experiment, resolved."""
+    """A plan file as the train stage reads it: one experiment, resolved (its values checked as planning does)."""
 
     experiment: str
     study: str
     method: str
     partition: str
-    seed: int
+    seed: NonNegativeInt
     train: TrainConfig
     model: dict[str, Any]
-    tau: float | None = None
+    tau: Annotated[float, Field(gt=0.0, allow_inf_nan=True)] | None = None  # as an entry's (entries.Tau)
     postags_md5: str | None = None
     extension_md5: dict[str, str] | None = None  # source hashes of the strategy and gate modules it runs
     cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
@@ -99,12 +100,14 @@ def read_plan(path: str | Path) -> Plan:
     if not p.exists():
         raise FileNotFoundError(f"{p}: plan file not found (run `python -m pipeline.plan` first)")
     raw = read_json(p, "plan file")
-    train = train_config(raw.pop("train", {}), f"{p}: train")
+    train = raw.pop("train", None)  # null or absent: refused as Plan's, not read as the code's defaults
+    train = train_config(train, f"{p}: train") if isinstance(train, dict) else train
     privacy = raw.pop("privacy", None)  # null or {}: no privacy, as a plan without the key
     privacy = from_dict(PrivacyConfig, privacy, f"{p}: privacy") if privacy else None
     try:
         plan = Plan(train=train, privacy=privacy, source=str(p), **raw)
-        plan.spec  # noqa: B018 - an unknown method
+        if plan.spec.uses_tau != (plan.tau is not None):  # selective KD without one would read tau as inf
+            raise ConfigError(f"tau {plan.tau} with method {plan.method!r}: selective KD needs one, no other has one")
     except (TypeError, ConfigError) as exc:
         raise ConfigError(f"{p}: not a plan file ({exc})") from None
     plan.model_config  # noqa: B018 - checked before the stage touches its outputs or MLflow
