@@ -974,3 +974,27 @@ def test_per_client_comparisons_none_of_which_has_a_p_value_are_said_untestable_
         "set is one meeting or one example: its spread is unknown); no ordering among them is supported."
     ) in text
     assert "closest" not in text
+
+
+@pytest.mark.parametrize(
+    "seeds, examples, reason",
+    [
+        (5, 24, "fewer test examples than the 100 this profile needs for a claim (`report.claim_min_examples`)."),
+        (1, 244, "fewer seeds than the 3 this profile needs for a claim (`report.claim_min_seeds`)."),
+        (
+            2,
+            24,
+            "fewer seeds than the 3 this profile needs for a claim (`report.claim_min_seeds`); fewer test examples "
+            "than the 100 this profile needs for a claim (`report.claim_min_examples`).",
+        ),
+    ],
+)
+def test_a_too_small_study_names_only_the_minimum_it_falls_short_of(seeds, examples, reason):
+    """A study folder with `report.claim_min_examples: 300` (reports/cpu-study's 3 seeds and 244 examples) read
+    '3 seeds and 244 test examples, below the 3 seeds and 300 examples': 3 seeds are not below 3. The reason names
+    each minimum the study is below, and no other."""
+    cfg = ReportConfig(smoke=False, claim_min_seeds=3, claim_min_examples=100)
+    text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples), cfg=cfg)
+    line = next(x for x in text.splitlines() if "No comparative claim" in x)
+    assert f"{claims._seeds(seeds)} and {examples} test examples: {reason} The differences" in line
+    assert "below the" not in line

@@ -188,10 +188,11 @@ def results_text(
     # why no comparative claim is drawn: a smoke run, or fewer seeds or test examples than the profile asks for
     why = "a smoke run (`report.smoke: true`)" if cfg.smoke else ""
     if not why and seeds and (seeds[-1] < cfg.claim_min_seeds or examples[0] < cfg.claim_min_examples):
-        why = (
-            f"{_seeds(seeds[-1])} and {examples[0]} test examples, below the {cfg.claim_min_seeds} seeds and "
-            f"{cfg.claim_min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
-            "`report.claim_min_examples`)"
+        short = [("seeds", seeds[-1], cfg.claim_min_seeds), ("test examples", examples[0], cfg.claim_min_examples)]
+        why = f"{_seeds(seeds[-1])} and {examples[0]} test examples: " + "; ".join(  # only the minimum it is below
+            f"fewer {what} than the {need} this profile needs for a claim (`report.claim_min_{what.split()[-1]}`)"
+            for what, have, need in short
+            if have < need
         )
     if why:
         rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
