@@ -998,3 +998,35 @@ def test_a_too_small_study_names_only_the_minimum_it_falls_short_of(seeds, examp
     line = next(x for x in text.splitlines() if "No comparative claim" in x)
     assert f"{claims._seeds(seeds)} and {examples} test examples: {reason} The differences" in line
     assert "below the" not in line
+
+
+def test_comparisons_without_an_interval_print_no_nan_and_claim_no_absence():
+    """A client whose test set is one meeting (reports/cpu-study with Academic's test examples cut to meeting Bed003)
+    gives every client-average comparison a NaN interval and p (stats.mean_interval). The block read 'Pooling the
+    data does not measurably help: AdaCentralized − AdaSingle +1.48 [+nan, +nan]', a gate variant 'excludes a gain
+    above +nan', and the tables '[+nan, +nan]': nothing was measured, so no claim, and no 'nan' printed."""
+    nan = math.nan
+    rows = [
+        _row(method_a=a, method_b=b, mean_diff=d, ci_low=nan, ci_high=nan, p_value=nan)
+        for a, b, d in (("centralized", "single", 1.48), ("fedkd", "single", -0.14), ("fedselectkd", "fedkd", 0.06))
+    ]
+    table = pd.DataFrame([*rows, _tau3_row(mean_diff=0.04, ci_low=nan, ci_high=nan, p_value=nan)])
+    text = claims.results_text(table, cfg=ReportConfig(smoke=False))
+    assert "nan" not in text.lower()
+    assert (
+        "- **No comparative claim**: no client-average comparison has an interval (a client's test set is one "
+        "meeting or one example: its spread is unknown). The differences, as numbers only (nor set against the "
+        "paper's): AdaCentralized − AdaSingle +1.48; FedKD − AdaSingle −0.14; SelectKD − FedKD +0.06." in text
+    )
+    for verdict in ("helps", "does not measurably", "excluded", "no difference detected"):
+        assert verdict not in text
+    # a gate variant without an interval beside main comparisons with one: its numbers only
+    main = _row(method_a="fedselectkd", method_b="fedkd", mean_diff=0.3, ci_low=-0.4, ci_high=1.0, p_value=0.4)
+    text = claims.results_text(pd.DataFrame([main, table.iloc[-1].to_dict()]), cfg=ReportConfig(smoke=False))
+    gate = next(x for x in text.splitlines() if "(tau=3)" in x)
+    assert gate.endswith(
+        "(tau=3) − SelectKD (tau=5): +0.04: no interval (a client's test set is one meeting or one "
+        "example: its spread is unknown): numbers only."
+    )
+    section = comparisons.markdown_section(comparisons.with_holm(table, CFG), "main", CFG)
+    assert "nan" not in section.lower() and "| centralized | single | +1.48 | – | – | – |" in section

@@ -31,6 +31,7 @@ SHORT = {
     "fedselectkd": "SelectKD",
 }
 FEDERATED = ("fedavg", "fedkd", "fedselectkd")
+ONE_MEETING = "a client's test set is one meeting or one example: its spread is unknown"
 LARGEST_CLIENT_STEPS = (
     "AdaCentralized trained with the largest client's optimizer steps a round (`train.centralized_steps: "
     "largest_client`), so its lead is not one of more steps."
@@ -42,8 +43,8 @@ def _num(x: float) -> str:
 
 
 def effect(r) -> str:
-    """'+0.02 [−0.56, +0.62]'."""
-    return f"{_num(r.mean_diff)} [{_num(r.ci_low)}, {_num(r.ci_high)}]"
+    """'+0.02 [−0.56, +0.62]'; '+0.02' without an interval (NaN: a client of one meeting or example)."""
+    return _num(r.mean_diff) + ("" if math.isnan(r.ci_low) else f" [{_num(r.ci_low)}, {_num(r.ci_high)}]")
 
 
 def _p(p: float, relation: str = "=") -> str:
@@ -194,6 +195,8 @@ def results_text(
             for what, have, need in short
             if have < need
         )
+    if not why and seeds and main_avg["p_value"].isna().all():  # stats.mean_interval: NaN, no test
+        why = f"no client-average comparison has an interval ({ONE_MEETING})"
     if why:
         rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
         lines.append(
@@ -324,6 +327,8 @@ def _variants(avg: pd.DataFrame) -> list[str]:
         finding = (
             f"{_seeds(r.n_seeds)}: numbers only"
             if r.few_seeds
+            else f"no interval ({ONE_MEETING}): numbers only"
+            if math.isnan(r.p_value)
             else f"{changed} ROUGE ({_p(r.p_holm)})"
             if r.significant
             else f"no difference detected ({_p(r.p_holm)}), though the unadjusted interval excludes 0"

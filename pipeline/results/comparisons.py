@@ -236,7 +236,8 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig) -> s
     ]
     for rec, r in zip(sub.to_dict("records"), sub.itertuples()):
         b = r.config_b + ("" if r.study_b == study else f" ({r.study_b})")
-        delta, interval = f"{r.mean_diff:+.2f}", f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
+        delta = f"{r.mean_diff:+.2f}"
+        interval = "–" if math.isnan(r.ci_low) else f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}]"  # a client of one meeting
         if r.significant:
             delta, interval = f"**{delta}**", f"**{interval}**"
         identical = "–" if math.isnan(r.identical_fraction) else f"{r.identical_fraction:.0%}"
