@@ -1030,3 +1030,32 @@ def test_comparisons_without_an_interval_print_no_nan_and_claim_no_absence():
     )
     section = comparisons.markdown_section(comparisons.with_holm(table, CFG), "main", CFG)
     assert "nan" not in section.lower() and "| centralized | single | +1.48 | – | – | – |" in section
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text: "", "comparisons.csv: not a readable comparisons table: No columns to parse from file"),
+        (lambda text: text.replace("n_seeds", "seeds", 1), "comparisons.csv: missing column(s) ['n_seeds']"),
+        (lambda text: text[:3000], "comparisons.csv:9: significant = nan, not True or False"),  # cut mid-line
+        # a blank flag: pandas read it NaN, and astype(bool) made it a significant comparison
+        (lambda text: text.replace(",False,False,", ",,False,", 1), "comparisons.csv:2: significant = nan, not True"),
+        (lambda text: text.replace(",49,3,", ",49,three,", 1), "comparisons.csv:2: n_seeds = 'three', not a number"),
+    ],
+)
+def test_a_damaged_comparisons_table_is_one_line_naming_the_file_and_line(tmp_path, capsys, damage, message):
+    """`report claims` of a study folder whose comparisons.csv is empty, lacks a column, was cut, or has a value of
+    the wrong kind: pandas' EmptyDataError, a KeyError, or a silent misread (a blank `significant` read as True,
+    a cut last row's missing fields as NaN) before; one line naming the file and its line, the README untouched."""
+    from pipeline import report
+    from pipeline.common import cli
+
+    study = ROOT / "reports/cpu-study"
+    for name in ("params.yaml", "README.md"):
+        shutil.copy(study / name, tmp_path / name)
+    (tmp_path / "comparisons.csv").write_text(damage((study / "comparisons.csv").read_text()))
+    readme = (tmp_path / "README.md").read_bytes()
+    assert cli.run(report.main, ["claims", str(tmp_path), str(tmp_path / "README.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {tmp_path / message}"), err
+    assert (tmp_path / "README.md").read_bytes() == readme

@@ -265,6 +265,25 @@ def significance_marks(table: pd.DataFrame, study: str, label: str, client: str)
     return ", ".join(f"{'>' if r.mean_diff > 0 else '<'} {r.method_b}" for r in sub.itertuples()) or "–"
 
 
+def read_table(path: Path, checked: tuple[str, ...] = tuple(COLUMNS[8:18])) -> pd.DataFrame:
+    """A comparisons.csv the report wrote; an unreadable file, a column of :data:`COLUMNS` missing, or a value of
+    ``checked`` that is not a number (True or False for the flags: pandas reads a blank one as True) is one line."""
+    try:
+        table = pd.read_csv(path)
+    except ValueError as err:  # empty, a stray quote, not UTF-8: pandas' errors name no file
+        raise DataError(f"{path}: not a readable comparisons table: {' '.join(str(err).split())}") from err
+    if missing := [c for c in COLUMNS if c not in table.columns]:
+        raise DataError(f"{path}: missing column(s) {missing} (not a comparisons table of the report stage)")
+    for c in checked:
+        flag = c in ("significant", "mostly_identical")
+        values = table[c]
+        wrong = ~values.isin([True, False]) if flag else pd.to_numeric(values, errors="coerce").isna() & values.notna()
+        if wrong.any():  # its line: the header is line 1
+            i = int(wrong.to_numpy().argmax())
+            raise DataError(f"{path}:{i + 2}: {c} = {values.iloc[i]!r}, not {'True or False' if flag else 'a number'}")
+    return table
+
+
 def carry_identical(table: pd.DataFrame, previous: pd.DataFrame, cfg: BootstrapConfig) -> pd.DataFrame:
     """``table`` with the identical-summary fractions it could not compute (a study folder keeps no
     predictions.jsonl) taken from ``previous`` for the same experiments, client and metric; others keep NaN."""
