@@ -19,7 +19,7 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.results import published
-from pipeline.results.readers import read_predictions
+from pipeline.results.readers import read_parquet, read_predictions
 from pipeline.results.scoring import SCORE_KEYS, TABLE_METRICS
 from pipeline.results.stats import BootstrapConfig, holm, meetings, nested_interval
 
@@ -73,7 +73,7 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     path = eval_dir / name / "per_example.parquet"
     if not path.is_file():
         return None
-    frame = pd.read_parquet(path)
+    frame = read_parquet(path, "per-example score table")
     if missing := [c for c in ("client", "example_id", *SCORE_KEYS) if c not in frame.columns]:
         raise DataError(f"{path}: missing column(s) {missing}")
     return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))

@@ -36,6 +36,13 @@ def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]
     return rows
 
 
+def read_parquet(path: Path, what: str) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except ValueError as err:  # pyarrow's ArrowInvalid (a cut or empty file, not parquet) names the file in a traceback
+        raise DataError(f"{path}: not a readable {what} ({' '.join(str(err).split())})") from err
+
+
 def read_eval_metrics(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
     """The evaluate stage's metrics.json, every client with the tables' metrics, and per client those metrics (average
     ROUGE recomputed from the three: the tables and the analysis read a record alike)."""
@@ -98,7 +105,7 @@ def best_rounds(path: Path) -> dict[str, int]:
 
 
 def read_gate_log(path: Path) -> pd.DataFrame:
-    gate = pd.read_parquet(path)
+    gate = read_parquet(path, "gate log")
     if missing := sorted(set(GATE_COLUMNS) - set(gate.columns)):
         raise DataError(f"{path}: gate log lacks column(s) {missing} (has {list(gate.columns)})")
     return gate[GATE_COLUMNS].astype({"example_id": str, "client": str, "kd_applied": bool})
