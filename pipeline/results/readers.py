@@ -50,10 +50,12 @@ def read_eval_metrics(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, f
     if not isinstance(data.get("clients"), dict):
         raise DataError(f"{path}: no 'clients' mapping of ROUGE scores")
     for client, scores in data["clients"].items():
-        if missing := [m for m in METRICS if m not in scores]:
+        if missing := [m for m in METRICS if not isinstance(scores, dict) or m not in scores]:
             raise DataError(f"{path}: client {client!r} lacks {missing}")
-        if bad := [m for m in TABLE_METRICS if type(scores[m]) not in (int, float)]:  # null, a bool: hand edits
-            raise DataError(f"{path}: client {client!r} has {bad[0]} = {scores[bad[0]]!r}, not a number")
+        # null, a bool: hand edits; `n` (the scores table's n_examples, 0 where absent) a count
+        kinds = {m: ((int, float), "a number") for m in TABLE_METRICS} | {"n": ((int,), "a count")}
+        if bad := [(m, what) for m, (ok, what) in kinds.items() if type(scores.get(m, 0)) not in ok]:
+            raise DataError(f"{path}: client {client!r} has {bad[0][0]} = {scores[bad[0][0]]!r}, not {bad[0][1]}")
     three = {str(c): {m: float(s[m]) for m in TABLE_METRICS} for c, s in data["clients"].items()}
     return data, {c: t | {"avg_rouge": average_rouge(t)} for c, t in three.items()}
 
