@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -1059,3 +1060,43 @@ def test_a_damaged_comparisons_table_is_one_line_naming_the_file_and_line(tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {tmp_path / message}"), err
     assert (tmp_path / "README.md").read_bytes() == readme
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        # a JSON true read as round 1: the cpu-study's block said 55 of 60 client-runs best at their last round, not 56
+        (
+            lambda m, r: m["clients"]["Academic"].update(best_round=True),
+            "metrics.json: client 'Academic': best_round = True, not a round",
+        ),
+        (
+            lambda m, r: m["clients"]["Academic"].update(best_round="x"),
+            "metrics.json: client 'Academic': best_round = 'x', not a round",
+        ),
+        # a string is true: a run of a fixed budget read as one whose stop rule held
+        (lambda m, r: m.update(converged="false"), "metrics.json: converged = 'false', not true, false or null"),
+        (
+            lambda m, r: r[2].update({"Academic/val_loss": "n/a"}),
+            "rounds.json: round 3, client 'Academic': val_loss = 'n/a', not a number",
+        ),
+        (
+            lambda m, r: r[2].update({"round": None}),
+            "rounds.json: row 2 is not a per-round row with an integer 'round'",
+        ),
+    ],
+)
+def test_a_damaged_train_record_is_one_line_naming_the_file_and_client(tmp_path, edit, message):
+    """reports/cpu-study's train record of single-domain-s0, edited as a hand or a cut copy would: a ValueError from
+    int() or float() deep in the convergence table, or a silent misread, before; one DataError line now."""
+    from pipeline.common.schema import DataError
+
+    src = ROOT / "reports/cpu-study/train/single-domain-s0"
+    metrics, rounds = (json.loads((src / f).read_text()) for f in ("metrics.json", "rounds.json"))
+    edit(metrics, rounds)
+    run = tmp_path / "single-domain-s0"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    (run / "rounds.json").write_text(json.dumps(rounds))
+    with pytest.raises(DataError, match=f"^{re.escape(str(run / message))}$"):
+        readers.run_convergence(tmp_path, "single-domain-s0")
