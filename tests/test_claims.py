@@ -1100,3 +1100,17 @@ def test_a_damaged_train_record_is_one_line_naming_the_file_and_client(tmp_path,
     (run / "rounds.json").write_text(json.dumps(rounds))
     with pytest.raises(DataError, match=f"^{re.escape(str(run / message))}$"):
         readers.run_convergence(tmp_path, "single-domain-s0")
+
+
+def test_the_claim_rule_counts_every_comparison_holms_family_adjusted_over():
+    """comparisons.FAMILY: the main study's client-average family holds its comparisons against another study's
+    baseline too (baseline_for: a method the main study lacks on its scheme); the rule said 'over the study's 2
+    client-average comparisons' where Holm's adjustment was over 3 (Holm p 0.04 for p 0.02 is 0.02 x 2, not x 1)."""
+    rows = [
+        _row(method_a="centralized", method_b="single", p_value=0.01),
+        _row(method_a="fedkd", method_b="single", p_value=0.02),
+        _row(method_a="centralized", method_b="fedavg", study_b="server", config_b="fedavg", p_value=0.03),
+    ]
+    table = comparisons.with_holm(pd.DataFrame([r | {"ci_low": -1.0, "ci_high": 1.0} for r in rows]), CFG)
+    assert list(table["p_holm"]) == pytest.approx([0.03, 0.04, 0.04])
+    assert "Holm-adjusted p < 0.05 over the study's 3 client-average comparisons" in claims.results_text(table)

@@ -183,7 +183,7 @@ def results_text(
         f"average of `avg_rouge`, A − B with its {level * 100:g} % interval over seeds and test examples, QMSum's queries on one "
         "meeting one cluster, pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's "
         f"differences are its Table III's, BART-large, BART-base and LED-large){size}. A claim needs Holm-adjusted "
-        f"p < {1 - level:.2g} over the study's {main_avg['p_value'].notna().sum()} client-average comparisons (per client: over that client's), "
+        f"p < {1 - level:.2g} over the study's {avg.loc[avg['study'] == 'main', 'p_value'].notna().sum()} client-average comparisons (per client: over that client's), "
         f"and at least {cfg.claim_min_seeds} seeds (`report.claim_min_seeds`); the intervals are unadjusted:"
     ] + ([backbone] if backbone else [])
     # why no comparative claim is drawn: a smoke run, or fewer seeds or test examples than the profile asks for
