@@ -48,10 +48,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError(f"{path}: not an evaluation record (missing {missing})")
             # every score it logs, checked before a run is opened (a traceback mid-logging left that run RUNNING)
             if not isinstance(metrics["clients"], dict) or not all(
-                isinstance(s, dict) and set(SCORE_KEYS) <= set(s)
-                for s in [metrics["mean"], *metrics["clients"].values()]
+                isinstance(s, dict) and all(type(s.get(k, "")) in (int, float, type(None)) for k in SCORE_KEYS)
+                for s in [metrics["mean"], *metrics["clients"].values()]  # a null: not logged (no client, a mean)
             ):
-                raise DataError(f"{path}: not an evaluation record ('mean' and each client need {list(SCORE_KEYS)})")
+                raise DataError(
+                    f"{path}: not an evaluation record ('mean' and each client need numbers {list(SCORE_KEYS)})"
+                )
             # what names it: its training run's tags, if its study holds that run (evaluated with `--no-mlflow`)
             record = {k: str(metrics[k]) for k in ("method", "partition", "seed") if metrics.get(k) is not None}
             # the train record beside it (<folder>/train/<exp>/, as reports/cpu-study lays them out): `converged`

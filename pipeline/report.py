@@ -9,14 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from pipeline.common import atomic, cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
 from pipeline.planning import declared, resolve_plan
-from pipeline.results import claims, figures, human_eval, published
+from pipeline.results import claims, comparisons, figures, human_eval, published
 from pipeline.results.outputs import Made, build_report, results_text, write_tables
 from pipeline.results.stats import BootstrapConfig
 from pipeline.results.tables import ReportConfig, ReportInputs
@@ -41,7 +39,7 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
     ``params.yaml``: reports/cpu-study), or with ``check`` only list the files whose block differs."""
     inp = report_inputs(folder / "params.yaml")
     source = folder / "comparisons.csv"
-    block = results_text(inp, pd.read_csv(source), source, folder)
+    block = results_text(inp, comparisons.read_table(source), source, folder)
     changed = []
     for f in files:
         text = f.read_text(encoding="utf-8")

@@ -686,3 +686,20 @@ def test_a_best_round_that_is_no_integer_is_one_error_naming_the_file_and_client
         best_rounds(path)
     path.write_text(json.dumps({"clients": {"Product": {"best_round": 4}, "ES2002": {"best_round": 1}}}))
     assert best_rounds(path) == {"Product": 4, "ES2002": 1}
+
+
+@pytest.mark.parametrize(("value", "shown"), [(None, "None"), ("5", "'5'"), (True, "True"), (4.5, "4.5")])
+def test_a_client_count_that_is_no_count_is_one_error_naming_the_file_and_client(tmp_path, value, shown):
+    # the scores table's n_examples is metrics.json's `n`: a null ended the report stage in int()'s TypeError naming
+    # no file, a JSON true or 4.5 was silently read as 1 or 4 examples
+    from pipeline.common.schema import DataError
+    from pipeline.results.readers import read_eval_metrics
+
+    path = tmp_path / "metrics.json"
+    scores = {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "rougeLsum": 29.0, "avg_rouge": 20.0, "n": value}
+    path.write_text(json.dumps({"clients": {"Product": scores}}))
+    with pytest.raises(DataError, match=rf"metrics\.json: client 'Product' has n = {shown}, not a count$"):
+        read_eval_metrics(path)
+    path.write_text(json.dumps({"clients": {"Product": 23.0}}))  # a client's scores not an object: TypeError before
+    with pytest.raises(DataError, match=r"metrics\.json: client 'Product' lacks \['rouge1', "):
+        read_eval_metrics(path)

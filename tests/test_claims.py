@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -974,3 +975,142 @@ def test_per_client_comparisons_none_of_which_has_a_p_value_are_said_untestable_
         "set is one meeting or one example: its spread is unknown); no ordering among them is supported."
     ) in text
     assert "closest" not in text
+
+
+@pytest.mark.parametrize(
+    "seeds, examples, reason",
+    [
+        (5, 24, "fewer test examples than the 100 this profile needs for a claim (`report.claim_min_examples`)."),
+        (1, 244, "fewer seeds than the 3 this profile needs for a claim (`report.claim_min_seeds`)."),
+        (
+            2,
+            24,
+            "fewer seeds than the 3 this profile needs for a claim (`report.claim_min_seeds`); fewer test examples "
+            "than the 100 this profile needs for a claim (`report.claim_min_examples`).",
+        ),
+    ],
+)
+def test_a_too_small_study_names_only_the_minimum_it_falls_short_of(seeds, examples, reason):
+    """A study folder with `report.claim_min_examples: 300` (reports/cpu-study's 3 seeds and 244 examples) read
+    '3 seeds and 244 test examples, below the 3 seeds and 300 examples': 3 seeds are not below 3. The reason names
+    each minimum the study is below, and no other."""
+    cfg = ReportConfig(smoke=False, claim_min_seeds=3, claim_min_examples=100)
+    text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples), cfg=cfg)
+    line = next(x for x in text.splitlines() if "No comparative claim" in x)
+    assert f"{claims._seeds(seeds)} and {examples} test examples: {reason} The differences" in line
+    assert "below the" not in line
+
+
+def test_comparisons_without_an_interval_print_no_nan_and_claim_no_absence():
+    """A client whose test set is one meeting (reports/cpu-study with Academic's test examples cut to meeting Bed003)
+    gives every client-average comparison a NaN interval and p (stats.mean_interval). The block read 'Pooling the
+    data does not measurably help: AdaCentralized − AdaSingle +1.48 [+nan, +nan]', a gate variant 'excludes a gain
+    above +nan', and the tables '[+nan, +nan]': nothing was measured, so no claim, and no 'nan' printed."""
+    nan = math.nan
+    rows = [
+        _row(method_a=a, method_b=b, mean_diff=d, ci_low=nan, ci_high=nan, p_value=nan)
+        for a, b, d in (("centralized", "single", 1.48), ("fedkd", "single", -0.14), ("fedselectkd", "fedkd", 0.06))
+    ]
+    table = pd.DataFrame([*rows, _tau3_row(mean_diff=0.04, ci_low=nan, ci_high=nan, p_value=nan)])
+    text = claims.results_text(table, cfg=ReportConfig(smoke=False))
+    assert "nan" not in text.lower()
+    assert (
+        "- **No comparative claim**: no client-average comparison has an interval (a client's test set is one "
+        "meeting or one example: its spread is unknown). The differences, as numbers only (nor set against the "
+        "paper's): AdaCentralized − AdaSingle +1.48; FedKD − AdaSingle −0.14; SelectKD − FedKD +0.06." in text
+    )
+    for verdict in ("helps", "does not measurably", "excluded", "no difference detected"):
+        assert verdict not in text
+    # a gate variant without an interval beside main comparisons with one: its numbers only
+    main = _row(method_a="fedselectkd", method_b="fedkd", mean_diff=0.3, ci_low=-0.4, ci_high=1.0, p_value=0.4)
+    text = claims.results_text(pd.DataFrame([main, table.iloc[-1].to_dict()]), cfg=ReportConfig(smoke=False))
+    gate = next(x for x in text.splitlines() if "(tau=3)" in x)
+    assert gate.endswith(
+        "(tau=3) − SelectKD (tau=5): +0.04: no interval (a client's test set is one meeting or one "
+        "example: its spread is unknown): numbers only."
+    )
+    section = comparisons.markdown_section(comparisons.with_holm(table, CFG), "main", CFG)
+    assert "nan" not in section.lower() and "| centralized | single | +1.48 | – | – | – |" in section
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text: "", "comparisons.csv: not a readable comparisons table: No columns to parse from file"),
+        (lambda text: text.replace("n_seeds", "seeds", 1), "comparisons.csv: missing column(s) ['n_seeds']"),
+        (lambda text: text[:3000], "comparisons.csv:9: significant = nan, not True or False"),  # cut mid-line
+        # a blank flag: pandas read it NaN, and astype(bool) made it a significant comparison
+        (lambda text: text.replace(",False,False,", ",,False,", 1), "comparisons.csv:2: significant = nan, not True"),
+        (lambda text: text.replace(",49,3,", ",49,three,", 1), "comparisons.csv:2: n_seeds = 'three', not a number"),
+    ],
+)
+def test_a_damaged_comparisons_table_is_one_line_naming_the_file_and_line(tmp_path, capsys, damage, message):
+    """`report claims` of a study folder whose comparisons.csv is empty, lacks a column, was cut, or has a value of
+    the wrong kind: pandas' EmptyDataError, a KeyError, or a silent misread (a blank `significant` read as True,
+    a cut last row's missing fields as NaN) before; one line naming the file and its line, the README untouched."""
+    from pipeline import report
+    from pipeline.common import cli
+
+    study = ROOT / "reports/cpu-study"
+    for name in ("params.yaml", "README.md"):
+        shutil.copy(study / name, tmp_path / name)
+    (tmp_path / "comparisons.csv").write_text(damage((study / "comparisons.csv").read_text()))
+    readme = (tmp_path / "README.md").read_bytes()
+    assert cli.run(report.main, ["claims", str(tmp_path), str(tmp_path / "README.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {tmp_path / message}"), err
+    assert (tmp_path / "README.md").read_bytes() == readme
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        # a JSON true read as round 1: the cpu-study's block said 55 of 60 client-runs best at their last round, not 56
+        (
+            lambda m, r: m["clients"]["Academic"].update(best_round=True),
+            "metrics.json: client 'Academic': best_round = True, not a round",
+        ),
+        (
+            lambda m, r: m["clients"]["Academic"].update(best_round="x"),
+            "metrics.json: client 'Academic': best_round = 'x', not a round",
+        ),
+        # a string is true: a run of a fixed budget read as one whose stop rule held
+        (lambda m, r: m.update(converged="false"), "metrics.json: converged = 'false', not true, false or null"),
+        (
+            lambda m, r: r[2].update({"Academic/val_loss": "n/a"}),
+            "rounds.json: round 3, client 'Academic': val_loss = 'n/a', not a number",
+        ),
+        (
+            lambda m, r: r[2].update({"round": None}),
+            "rounds.json: row 2 is not a per-round row with an integer 'round'",
+        ),
+    ],
+)
+def test_a_damaged_train_record_is_one_line_naming_the_file_and_client(tmp_path, edit, message):
+    """reports/cpu-study's train record of single-domain-s0, edited as a hand or a cut copy would: a ValueError from
+    int() or float() deep in the convergence table, or a silent misread, before; one DataError line now."""
+    from pipeline.common.schema import DataError
+
+    src = ROOT / "reports/cpu-study/train/single-domain-s0"
+    metrics, rounds = (json.loads((src / f).read_text()) for f in ("metrics.json", "rounds.json"))
+    edit(metrics, rounds)
+    run = tmp_path / "single-domain-s0"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    (run / "rounds.json").write_text(json.dumps(rounds))
+    with pytest.raises(DataError, match=f"^{re.escape(str(run / message))}$"):
+        readers.run_convergence(tmp_path, "single-domain-s0")
+
+
+def test_the_claim_rule_counts_every_comparison_holms_family_adjusted_over():
+    """comparisons.FAMILY: the main study's client-average family holds its comparisons against another study's
+    baseline too (baseline_for: a method the main study lacks on its scheme); the rule said 'over the study's 2
+    client-average comparisons' where Holm's adjustment was over 3 (Holm p 0.04 for p 0.02 is 0.02 x 2, not x 1)."""
+    rows = [
+        _row(method_a="centralized", method_b="single", p_value=0.01),
+        _row(method_a="fedkd", method_b="single", p_value=0.02),
+        _row(method_a="centralized", method_b="fedavg", study_b="server", config_b="fedavg", p_value=0.03),
+    ]
+    table = comparisons.with_holm(pd.DataFrame([r | {"ci_low": -1.0, "ci_high": 1.0} for r in rows]), CFG)
+    assert list(table["p_holm"]) == pytest.approx([0.03, 0.04, 0.04])
+    assert "Holm-adjusted p < 0.05 over the study's 3 client-average comparisons" in claims.results_text(table)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment, with_labels
-from pipeline.results import comparisons
+from pipeline.results import comparisons, readers
 from pipeline.results.readers import collect_scores
 from pipeline.results.stats import BootstrapConfig
 from pipeline.results.tables import ReportConfig, ReportInputs, aggregate, study_table_markdown
@@ -383,3 +385,16 @@ def test_a_flagged_share_of_identical_summaries_reads_above_the_threshold(fracti
     line = next(x for x in md.splitlines() if x.startswith("| A | B | +"))
     shown = float(line.split("⚠ ", 1)[1].split("%", 1)[0])
     assert 50.0 < shown and abs(shown - 100 * fraction) <= 0.1 + 1e-9
+
+
+@pytest.mark.parametrize("cut", [0, 100])
+def test_a_damaged_score_or_gate_table_is_one_line_naming_the_file(tmp_path, cut):
+    """An empty or cut per_example.parquet ended `report rebuild` and the report stage in pyarrow's ArrowInvalid
+    traceback (and a gate log the analyze stage's); now one DataError line naming the file."""
+    _write_eval(tmp_path, "a", 0.0, "a")
+    path = tmp_path / "a" / "per_example.parquet"
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}: not a readable per-example score table \("):
+        comparisons.per_example(tmp_path, "a")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}: not a readable gate log \("):
+        readers.read_gate_log(path)

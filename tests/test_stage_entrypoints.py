@@ -128,3 +128,24 @@ def test_import_eval_of_a_malformed_record_is_one_line_before_any_mlflow_run(tmp
     assert run_cli(main, ["import-eval", str(path)]) == 2
     assert f"{path}: not an evaluation record" in capsys.readouterr().err
     assert not (tmp_path / "mlflow.db").exists()  # refused before anything was logged
+
+
+@pytest.mark.parametrize("score", ["n/a", True, [20.0]])
+def test_import_eval_of_a_record_with_a_score_that_is_no_number_is_one_line_before_any_mlflow_run(
+    tmp_path, monkeypatch, capsys, score
+):
+    # A hand-edited record whose client ROUGE-2 is 'n/a': float()'s ValueError from inside the MLflow logging, the
+    # record's run and its client runs left RUNNING in the store (a true was logged as 1.0).
+    import json
+
+    from pipeline.common.cli import run as run_cli
+    from pipeline.evaluate import main
+    from pipeline.results.scoring import SCORE_KEYS
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    scores = dict.fromkeys(SCORE_KEYS, 20.0)
+    record = {"experiment": "x", "clients": {"A": scores | {"rouge2": score}}, "mean": scores}
+    (path := tmp_path / "metrics.json").write_text(json.dumps(record))
+    assert run_cli(main, ["import-eval", str(path)]) == 2
+    assert f"{path}: not an evaluation record" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()  # refused before anything was logged

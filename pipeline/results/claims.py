@@ -31,6 +31,7 @@ SHORT = {
     "fedselectkd": "SelectKD",
 }
 FEDERATED = ("fedavg", "fedkd", "fedselectkd")
+ONE_MEETING = "a client's test set is one meeting or one example: its spread is unknown"
 LARGEST_CLIENT_STEPS = (
     "AdaCentralized trained with the largest client's optimizer steps a round (`train.centralized_steps: "
     "largest_client`), so its lead is not one of more steps."
@@ -42,8 +43,8 @@ def _num(x: float) -> str:
 
 
 def effect(r) -> str:
-    """'+0.02 [−0.56, +0.62]'."""
-    return f"{_num(r.mean_diff)} [{_num(r.ci_low)}, {_num(r.ci_high)}]"
+    """'+0.02 [−0.56, +0.62]'; '+0.02' without an interval (NaN: a client of one meeting or example)."""
+    return _num(r.mean_diff) + ("" if math.isnan(r.ci_low) else f" [{_num(r.ci_low)}, {_num(r.ci_high)}]")
 
 
 def _p(p: float, relation: str = "=") -> str:
@@ -182,17 +183,20 @@ def results_text(
         f"average of `avg_rouge`, A − B with its {level * 100:g} % interval over seeds and test examples, QMSum's queries on one "
         "meeting one cluster, pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's "
         f"differences are its Table III's, BART-large, BART-base and LED-large){size}. A claim needs Holm-adjusted "
-        f"p < {1 - level:.2g} over the study's {main_avg['p_value'].notna().sum()} client-average comparisons (per client: over that client's), "
+        f"p < {1 - level:.2g} over the study's {avg.loc[avg['study'] == 'main', 'p_value'].notna().sum()} client-average comparisons (per client: over that client's), "
         f"and at least {cfg.claim_min_seeds} seeds (`report.claim_min_seeds`); the intervals are unadjusted:"
     ] + ([backbone] if backbone else [])
     # why no comparative claim is drawn: a smoke run, or fewer seeds or test examples than the profile asks for
     why = "a smoke run (`report.smoke: true`)" if cfg.smoke else ""
     if not why and seeds and (seeds[-1] < cfg.claim_min_seeds or examples[0] < cfg.claim_min_examples):
-        why = (
-            f"{_seeds(seeds[-1])} and {examples[0]} test examples, below the {cfg.claim_min_seeds} seeds and "
-            f"{cfg.claim_min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
-            "`report.claim_min_examples`)"
+        short = [("seeds", seeds[-1], cfg.claim_min_seeds), ("test examples", examples[0], cfg.claim_min_examples)]
+        why = f"{_seeds(seeds[-1])} and {examples[0]} test examples: " + "; ".join(  # only the minimum it is below
+            f"fewer {what} than the {need} this profile needs for a claim (`report.claim_min_{what.split()[-1]}`)"
+            for what, have, need in short
+            if have < need
         )
+    if not why and seeds and main_avg["p_value"].isna().all():  # stats.mean_interval: NaN, no test
+        why = f"no client-average comparison has an interval ({ONE_MEETING})"
     if why:
         rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
         lines.append(
@@ -323,6 +327,8 @@ def _variants(avg: pd.DataFrame) -> list[str]:
         finding = (
             f"{_seeds(r.n_seeds)}: numbers only"
             if r.few_seeds
+            else f"no interval ({ONE_MEETING}): numbers only"
+            if math.isnan(r.p_value)
             else f"{changed} ROUGE ({_p(r.p_holm)})"
             if r.significant
             else f"no difference detected ({_p(r.p_holm)}), though the unadjusted interval excludes 0"

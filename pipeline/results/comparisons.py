@@ -19,7 +19,7 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.results import published
-from pipeline.results.readers import read_predictions
+from pipeline.results.readers import read_parquet, read_predictions
 from pipeline.results.scoring import SCORE_KEYS, TABLE_METRICS
 from pipeline.results.stats import BootstrapConfig, holm, meetings, nested_interval
 
@@ -73,7 +73,7 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     path = eval_dir / name / "per_example.parquet"
     if not path.is_file():
         return None
-    frame = pd.read_parquet(path)
+    frame = read_parquet(path, "per-example score table")
     if missing := [c for c in ("client", "example_id", *SCORE_KEYS) if c not in frame.columns]:
         raise DataError(f"{path}: missing column(s) {missing}")
     return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))
@@ -236,7 +236,8 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig) -> s
     ]
     for rec, r in zip(sub.to_dict("records"), sub.itertuples()):
         b = r.config_b + ("" if r.study_b == study else f" ({r.study_b})")
-        delta, interval = f"{r.mean_diff:+.2f}", f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
+        delta = f"{r.mean_diff:+.2f}"
+        interval = "–" if math.isnan(r.ci_low) else f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}]"  # a client of one meeting
         if r.significant:
             delta, interval = f"**{delta}**", f"**{interval}**"
         identical = "–" if math.isnan(r.identical_fraction) else f"{r.identical_fraction:.0%}"
@@ -262,6 +263,25 @@ def significance_marks(table: pd.DataFrame, study: str, label: str, client: str)
     held = table[(table["metric"] == "avg_rouge") & table["significant"]]
     sub = held[(held["study"] == study) & (held["config_a"] == label) & (held["client"] == client)]
     return ", ".join(f"{'>' if r.mean_diff > 0 else '<'} {r.method_b}" for r in sub.itertuples()) or "–"
+
+
+def read_table(path: Path, checked: tuple[str, ...] = tuple(COLUMNS[8:18])) -> pd.DataFrame:
+    """A comparisons.csv the report wrote; an unreadable file, a column of :data:`COLUMNS` missing, or a value of
+    ``checked`` that is not a number (True or False for the flags: pandas reads a blank one as True) is one line."""
+    try:
+        table = pd.read_csv(path)
+    except ValueError as err:  # empty, a stray quote, not UTF-8: pandas' errors name no file
+        raise DataError(f"{path}: not a readable comparisons table: {' '.join(str(err).split())}") from err
+    if missing := [c for c in COLUMNS if c not in table.columns]:
+        raise DataError(f"{path}: missing column(s) {missing} (not a comparisons table of the report stage)")
+    for c in checked:
+        flag = c in ("significant", "mostly_identical")
+        values = table[c]
+        wrong = ~values.isin([True, False]) if flag else pd.to_numeric(values, errors="coerce").isna() & values.notna()
+        if wrong.any():  # its line: the header is line 1
+            i = int(wrong.to_numpy().argmax())
+            raise DataError(f"{path}:{i + 2}: {c} = {values.iloc[i]!r}, not {'True or False' if flag else 'a number'}")
+    return table
 
 
 def carry_identical(table: pd.DataFrame, previous: pd.DataFrame, cfg: BootstrapConfig) -> pd.DataFrame:

@@ -46,7 +46,9 @@ def write_tables(
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
     compared, notes = comparisons.comparisons_table(inp.configurations, inp.cfg.baselines, reports / "eval", bootstrap)
     if previous is not None and previous.is_file():
-        compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
+        compared = comparisons.carry_identical(
+            compared, comparisons.read_table(previous, ("identical_fraction",)), bootstrap
+        )
     compared = comparisons.with_published(compared)
     if notes:
         made.not_made["comparisons"] = "; ".join(notes)

@@ -36,6 +36,13 @@ def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]
     return rows
 
 
+def read_parquet(path: Path, what: str) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except ValueError as err:  # pyarrow's ArrowInvalid (a cut or empty file, not parquet) names the file in a traceback
+        raise DataError(f"{path}: not a readable {what} ({' '.join(str(err).split())})") from err
+
+
 def read_eval_metrics(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
     """The evaluate stage's metrics.json, every client with the tables' metrics, and per client those metrics (average
     ROUGE recomputed from the three: the tables and the analysis read a record alike)."""
@@ -43,10 +50,12 @@ def read_eval_metrics(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, f
     if not isinstance(data.get("clients"), dict):
         raise DataError(f"{path}: no 'clients' mapping of ROUGE scores")
     for client, scores in data["clients"].items():
-        if missing := [m for m in METRICS if m not in scores]:
+        if missing := [m for m in METRICS if not isinstance(scores, dict) or m not in scores]:
             raise DataError(f"{path}: client {client!r} lacks {missing}")
-        if bad := [m for m in TABLE_METRICS if type(scores[m]) not in (int, float)]:  # null, a bool: hand edits
-            raise DataError(f"{path}: client {client!r} has {bad[0]} = {scores[bad[0]]!r}, not a number")
+        # null, a bool: hand edits; `n` (the scores table's n_examples, 0 where absent) a count
+        kinds = {m: ((int, float), "a number") for m in TABLE_METRICS} | {"n": ((int,), "a count")}
+        if bad := [(m, what) for m, (ok, what) in kinds.items() if type(scores.get(m, 0)) not in ok]:
+            raise DataError(f"{path}: client {client!r} has {bad[0][0]} = {scores[bad[0][0]]!r}, not {bad[0][1]}")
     three = {str(c): {m: float(s[m]) for m in TABLE_METRICS} for c, s in data["clients"].items()}
     return data, {c: t | {"avg_rouge": average_rouge(t)} for c, t in three.items()}
 
@@ -74,8 +83,8 @@ def read_rounds(path: Path) -> pd.DataFrame:
     """Training rounds as long rows (round, client, train_loss, val_loss, ...) from ``reports/train/<exp>/rounds.json``
     (``<client>/<quantity>`` columns), or from ``models/<exp>/rounds.json`` (the history's own long rows)."""
     rows = read_json(path, "training rounds", list)
-    if any(not isinstance(r, dict) or "round" not in r for r in rows):
-        raise DataError(f"{path}: expected a list of per-round rows, each with 'round'")
+    if bad := [i for i, r in enumerate(rows) if not isinstance(r, dict) or type(r.get("round")) is not int]:
+        raise DataError(f"{path}: row {bad[0]} is not a per-round row with an integer 'round'")  # a null: NaN
     if rows and all("client" in r for r in rows):
         return pd.DataFrame(rows)
     long: dict[tuple[int, str], dict[str, Any]] = {}
@@ -98,7 +107,7 @@ def best_rounds(path: Path) -> dict[str, int]:
 
 
 def read_gate_log(path: Path) -> pd.DataFrame:
-    gate = pd.read_parquet(path)
+    gate = read_parquet(path, "gate log")
     if missing := sorted(set(GATE_COLUMNS) - set(gate.columns)):
         raise DataError(f"{path}: gate log lacks column(s) {missing} (has {list(gate.columns)})")
     return gate[GATE_COLUMNS].astype({"example_id": str, "client": str, "kd_applied": bool})
@@ -120,13 +129,22 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
     metrics = read_json(metrics_path, "train metrics") if metrics_path.is_file() else {}
     clients = metrics.get("clients") or {}
     kept = {str(c): v["best_round"] for c, v in clients.items() if isinstance(v, dict) and v.get("best_round")}
+    stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
+    wrong = [(metrics_path, f"client {c!r}: best_round", b, "a round") for c, b in kept.items() if type(b) is not int]
+    wrong += [(metrics_path, "converged", stated, "true, false or null")] * (type(stated) not in (bool, type(None)))
     if rounds_path.is_file():  # a client's rows with a val_loss, lowest first (a record without val_loss: none)
         rounds = read_rounds(rounds_path).reindex(columns=["round", "client", "val_loss"]).dropna(subset=["val_loss"])
+        text = rounds[~rounds["val_loss"].map(type).isin([int, float])].itertuples()  # "5.2", true: no loss
+        wrong += [
+            (rounds_path, f"round {r.round}, client {r.client!r}: val_loss", r.val_loss, "a number") for r in text
+        ]
+    if wrong:  # a JSON true is no round 1 (best_rounds), a "false" no verdict
+        raise DataError("{}: {} = {!r}, not {}".format(*wrong[0]))
+    if rounds_path.is_file():
         known = rounds.sort_values(["val_loss", "round"]).groupby("client", sort=True)
         found = {str(c): (int(kept.get(str(c)) or g["round"].iloc[0]), int(g["round"].max())) for c, g in known}
     else:
         found = {c: (int(b), int(metrics.get("stopped_round") or metrics.get("rounds") or b)) for c, b in kept.items()}
-    stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
     rows = [(experiment, c, best, last, best == last, stated) for c, (best, last) in sorted(found.items())]
     return pd.DataFrame(rows, columns=CONVERGENCE_COLUMNS)
 
