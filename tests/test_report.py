@@ -673,3 +673,14 @@ def test_a_kd_record_older_than_its_tau_unit_takes_it_from_the_studys_params(tmp
     inp = report_inputs({"tau": 5.0, "experiments": experiments})
     text = results_text(inp, compared, tmp_path / "c.csv", tmp_path)
     assert f"50-50 % of target words at tau = 5.0{unit}, the paper's" in text
+
+
+def test_the_committed_index_names_missing_seeds_in_the_right_number():
+    """reports/README.md's list of configurations short of seeds (build_report): 'missing seed 2', 'missing seeds 1,2'
+    (it said 'missing seed 1,2')."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "reports/README.md").read_text(encoding="utf-8")
+    found = re.findall(r"\(missing seed(s?) ([\d,]+)\)", text)
+    assert found
+    assert all((plural == "s") == ("," in seeds) for plural, seeds in found), found

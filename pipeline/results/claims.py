@@ -270,8 +270,8 @@ def _federation(avg: pd.DataFrame) -> list[str]:
     if excluded := [r for r in fed if _all(r, comparisons.ABOVE) and not r.few_seeds]:
         lines.append(
             f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
-            f"({_papers(excluded)} across its backbones) are excluded here: our unadjusted upper limits are "
-            f"{' and '.join(_num(r.ci_high) for r in excluded)}."
+            f"({_papers(excluded)} across its backbones) are excluded here: our unadjusted upper "
+            f"{'limits are' if len(excluded) > 1 else 'limit is'} {' and '.join(_num(r.ci_high) for r in excluded)}."
         )
     kd = [r for r in fed if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)]
     if same := [round(r.identical_fraction * 100) for r in kd]:

@@ -187,7 +187,10 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     ignored = sorted(d.name for d in paths.eval_reports.glob("*") if d.is_dir() and d.name not in planned_names)
     short = agg[agg["missing_seeds"] != ""]
     incomplete = list(
-        dict.fromkeys(f"{r.study}: {r.label} (missing seed {r.missing_seeds})" for r in short.itertuples())
+        dict.fromkeys(
+            f"{r.study}: {r.label} (missing seed{'s' * (',' in r.missing_seeds)} {r.missing_seeds})"
+            for r in short.itertuples()
+        )
     )
     index = {
         "made": dict(made.files),
