@@ -290,7 +290,14 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # caller, one bound alias where two, a Flower base class's no-op __init__ call, an ArrayRecord round trip the server
 # undid); +5 for two fixes: a train record's example count that is no integer refused, and no interval for one
 # method's client average where a client has one meeting (as none for its comparisons).
-PACKAGE_LINE_CEILING = 14_671
+# The thirty-first session: +116 for 20 defects three readers and the session lead found, each with a test that failed
+# before: damaged stage inputs as one line naming the file and column (ingest tables, examples.parquet for partition
+# and postag, ingest reports, comparisons.csv, per-example and gate-log parquet, evaluation and train records); a plan
+# file's values checked where the train stage reads it (Plan a @config class); an experiment name the train command
+# can carry; an entry's train key its method never reads refused; a run none of whose clients ever trained an error,
+# not a finished run; NaN intervals and the seed/limit counts in the generated text; Table II's heading naming the
+# configured query kinds; an empty ingest.datasets refused. No structure saving was found (the last note's reasons).
+PACKAGE_LINE_CEILING = 14_787
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
