@@ -613,7 +613,9 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     from pipeline.experiments.settings import RunSettings
     from pipeline.federation import client_app as apps
     from pipeline.federation import engines
+    from pipeline.federation.processes import FederationError
     from pipeline.federation.protocol import CLIPPED_KEY
+    from pipeline.federation.server_app import load_server_checkpoint
     from pipeline.training.summary import summarize
     from tests.test_server_loop import Recorder
 
@@ -632,7 +634,10 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
         {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"},
     )
     monkeypatch.setattr(engines, "client_app", unclipped)
-    history = engines.run_federated(path, RunSettings(), Recorder())
+    # no reply is ever aggregated: the run is an error (nothing trained), its rounds in the server's checkpoint
+    with pytest.raises(FederationError, match=r"cdp-nomod: no client update in any round.*not clipped within C"):
+        engines.run_federated(path, RunSettings(), Recorder())
+    history = load_server_checkpoint(read_plan(path))["history"]
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
     assert not any("update_clipped" in r for r in history)
     privacy = summarize(read_plan(path), history, [])["privacy"]
