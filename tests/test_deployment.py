@@ -1345,7 +1345,7 @@ def test_a_node_failing_the_evaluation_of_a_plan_without_declared_clients_is_log
         return Message(RecordDict(kept), reply_to=msg)
 
     path = write_plan("dep-undeclared", "fedavg", rounds=2)
-    plan = dataclasses.replace(load_plan(path), clients=())
+    plan = dataclasses.replace(load_plan(path), clients=None)  # as a plan file without the key reads
     grid = InProcessGrid(app, [{"client-name": c, "plan": path} for c in ("Academic", "Committee", "Product")])
     _set_server_identity(grid.run.run_id)
     committee = next(n for n in grid.get_node_ids() if grid.contexts[n].node_config["client-name"] == "Committee")
