@@ -426,6 +426,23 @@ def test_an_evaluation_without_any_client_scores_is_an_error_naming_its_file(tmp
         _analyze_one_selectkd_run(tmp_path, {"Product": 1, "Academic": 1}, tau=5.0)
 
 
+def test_a_damaged_pos_tag_table_is_one_error_naming_it(tmp_path, monkeypatch):
+    # The postag stage's table cut short on disk: one DataError naming it, not pyarrow's traceback.
+    from pipeline.common.schema import DataError
+
+    monkeypatch.chdir(tmp_path)
+    write_experiment(
+        tmp_path, "sel_s0", {"Product": 1, "Academic": 1}, {"Product": (30, 10, 20), "Academic": (24, 6, 18)}
+    )
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(path := tmp_path / "data/processed/postags.parquet")
+    path.write_bytes(path.read_bytes()[:100])
+    run = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"tau": 5.0, "experiments": {"sel_s0": run}}))
+    with pytest.raises(DataError, match=r"^data/processed/postags\.parquet: not a readable POS-tag table \("):
+        analyze.main([])
+
+
 def test_the_analysis_reads_average_rouge_as_the_tables_do(tmp_path):
     # A record written when R-L was rougeLsum (before b73f235) stores avg_rouge = (R-1 + R-2 + rougeLsum) / 3 =
     # (30 + 10 + 29) / 3 = 23. The tables recompute it from plain rougeL (readers.METRICS): (30 + 10 + 20) / 3 = 20;

@@ -206,6 +206,21 @@ def test_a_test_id_missing_from_the_examples_is_one_error_naming_both_files_and_
     assert "'Committee'" in message and "qmsum/Committee/test/gone/q0" in message
 
 
+def test_a_damaged_examples_table_is_one_error_naming_it(workspace):
+    cfg = EvaluateConfig(test_examples_per_client=1, num_beams=1, max_target_length=4, min_target_length=0)
+    path = ProjectPaths(workspace).examples
+    original = path.read_bytes()
+    path.write_bytes(original[: len(original) // 2])  # a copy cut short
+    try:
+        with pytest.raises(DataError) as err:
+            run(workspace, cfg)
+    finally:
+        path.write_bytes(original)
+    assert str(err.value).startswith(f"{PATHS.examples}: not a readable examples table (") and "\n" not in str(
+        err.value
+    )
+
+
 @pytest.mark.parametrize("rows_a_call", [2, 1024], ids=["one-adapter-a-call", "all-adapters-a-call"])
 def test_experiments_evaluated_together_give_each_what_it_gives_alone(workspace, tmp_path, monkeypatch, rows_a_call):
     """Two experiments (other adapters) in one call: one backbone load, their four client adapters stacked in the

@@ -23,7 +23,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, config
-from pipeline.common.schema import DataError
+from pipeline.common.schema import DataError, read_parquet
 from pipeline.experiments.entries import TAU_STUDY, Experiment
 from pipeline.experiments.train_config import UNITS
 from pipeline.paths import ProjectPaths
@@ -52,7 +52,7 @@ class Analysis:
     def postags(self) -> pd.DataFrame:
         if not self.paths.postags.exists():
             raise FileNotFoundError(f"{self.paths.postags}: POS tags not found (run `dvc repro postag`)")
-        return pd.read_parquet(self.paths.postags).astype({"example_id": str})
+        return read_parquet(self.paths.postags, "POS-tag table").astype({"example_id": str})
 
     def _present(self, exp: Experiment, needed_for: str, *paths: Path) -> bool:
         """Whether every input file is there; each absent one is reported as missing."""

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline.common.schema import DataError
+from pipeline.common.schema import DataError, read_parquet
 from pipeline.results import published
-from pipeline.results.readers import read_parquet, read_predictions
+from pipeline.results.readers import read_predictions
 from pipeline.results.scoring import SCORE_KEYS, TABLE_METRICS
 from pipeline.results.stats import BootstrapConfig, holm, meetings, nested_interval
 

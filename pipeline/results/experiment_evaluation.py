@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 
 from pipeline.common import atomic
 from pipeline.common.integrity import backbone_name
-from pipeline.common.schema import DataError
+from pipeline.common.schema import DataError, read_parquet
 from pipeline.experiments.plans import Plan, read_plan
 from pipeline.modeling.adapters import adapter_file, load_adapter
 from pipeline.modeling.model import AdapterSummarizer, adapter_config
@@ -79,7 +80,8 @@ def evaluate_experiments(
     those experiments in the same generate calls (pipeline.results.evaluation.generate_per_run: each summary is what
     its adapter alone gives); metrics.json's content by experiment."""
     bootstrap = bootstrap or BootstrapConfig()
-    examples = pd.read_parquet(PATHS.examples, columns=["example_id", "source", "target", "domain"])
+    columns = [pa.field(name, pa.string()) for name in ("example_id", "source", "target", "domain")]
+    examples = read_parquet(PATHS.examples, "examples table", columns)
     examples = examples.set_index("example_id", drop=False)
 
     def score_and_write(exp: _Experiment, summaries: list[list[str]], backbone: str) -> dict[str, Any]:

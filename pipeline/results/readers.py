@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.common.schema import DataError, read_json
+from pipeline.common.schema import DataError, read_json, read_parquet
 from pipeline.experiments.entries import Experiment
 from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L, average_rouge
 
@@ -34,13 +34,6 @@ def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]
             except (json.JSONDecodeError, KeyError) as err:
                 raise DataError(f"{path}:{line_no}: not a prediction record ({err!r})") from err
     return rows
-
-
-def read_parquet(path: Path, what: str) -> pd.DataFrame:
-    try:
-        return pd.read_parquet(path)
-    except ValueError as err:  # pyarrow's ArrowInvalid (a cut or empty file, not parquet) names the file in a traceback
-        raise DataError(f"{path}: not a readable {what} ({' '.join(str(err).split())})") from err
 
 
 def read_eval_metrics(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
