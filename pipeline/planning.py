@@ -32,6 +32,9 @@ from pipeline.paths import PATHS
 RESERVED_NAMES = {PATHS.plans.name, PATHS.backbone.name}  # directories under models/ that are not experiments
 ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
 PRIVACY_KEY = "privacy"  # an entry's overrides of params `privacy` (a privacy-utility study in one experiment)
+# params.yaml's top level: a group a stage reads, or a value entries inherit (a misspelt group is refused, not skipped)
+PARAMS_KEYS = ("tau", "seed", "ingest", "examples", "partition", "backbone", "model", "train", "privacy")
+PARAMS_KEYS += ("experiments", "evaluate", "bootstrap", "postag", "analyze", "report")
 
 
 @config(frozen=True)
@@ -188,6 +191,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any], file: str = "params.ya
 
 def check_params(params: dict[str, Any], file: str = "params.yaml") -> dict[str, dict[str, Any]]:
     """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
+    if unknown := [str(key) for key in params if key not in PARAMS_KEYS]:
+        raise ConfigError(f"{file}: unknown top-level key(s) {unknown}; the groups are {', '.join(PARAMS_KEYS)}")
     # Checked here, before any plan is written, although only the train stage builds the model from it.
     from_dict(ModelGroup, group(params, "model", file), f"{file} model")  # its cache keys (CacheConfig's) too
     part = from_dict(PartitionConfig, params.get("partition"), f"{file} partition")

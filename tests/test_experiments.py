@@ -329,6 +329,18 @@ def test_an_experiment_name_yaml_reads_as_a_number_is_one_line():
         declared(params)
 
 
+def test_a_misspelt_params_group_is_refused_at_planning_not_skipped():
+    # `trian:` beside `train:` (or a group a stage never reads) planned every experiment from the defaults, exit 0
+    from pipeline.planning import check_params
+
+    params = _params()
+    params["trian"] = {"rounds": 40}
+    with pytest.raises(
+        ConfigError, match=r"^site/params.yaml: unknown top-level key\(s\) \['trian'\]; the groups are tau"
+    ):
+        check_params(params, "site/params.yaml")
+
+
 def test_an_experiment_name_the_train_stage_cannot_carry_is_refused_at_planning():
     """dvc.yaml runs `python -m pipeline.train --experiment ${key}` through a shell and writes models/${key}. A name
     with a space passed planning and reached the train stage as two arguments (argparse: unrecognized arguments);
