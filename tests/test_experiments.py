@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -339,6 +340,21 @@ def test_a_misspelt_params_group_is_refused_at_planning_not_skipped():
         ConfigError, match=r"^site/params.yaml: unknown top-level key\(s\) \['trian'\]; the groups are tau"
     ):
         check_params(params, "site/params.yaml")
+
+
+@pytest.mark.parametrize("folder", ["", "  "])
+def test_a_prefix_cache_folder_that_names_no_folder_is_refused_not_the_project_root(tmp_path, folder):
+    # model.cache_dir "" was the project root itself: the cache wrote its entries there and pruned among them
+    from pipeline.experiments.settings import load_run_settings
+    from pipeline.planning import check_params
+
+    message = "model.cache_dir: is empty or blank: no folder (a relative one is under the project root)"
+    with pytest.raises(ConfigError, match=rf"^site/params.yaml {re.escape(message)}$"):
+        check_params(_params(**{"model.cache_dir": folder}), "site/params.yaml")
+    (path := tmp_path / "params.yaml").write_text(yaml.safe_dump(_params(**{"model.cache_dir": folder})))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))} {re.escape(message)}$"):
+        load_run_settings(path)
+    assert load_run_settings(ROOT / "params.yaml").cache.cache_dir == "data/cache/prefix"
 
 
 def test_an_experiment_name_the_train_stage_cannot_carry_is_refused_at_planning():

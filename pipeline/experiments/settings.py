@@ -8,6 +8,8 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from pydantic import field_validator
+
 from pipeline.common.config import NonNegative, Positive, config, from_dict, group, load_params
 
 
@@ -18,6 +20,13 @@ class CacheConfig:
 
     cache_dir: str = "data/cache/prefix"
     cache_max_gb: NonNegative = 4.0
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _names_a_folder(cls, value: str) -> str:
+        if not value.strip():  # the project root itself, where the cache's entries and its pruning would then go
+            raise ValueError("is empty or blank: no folder (a relative one is under the project root)")
+        return value
 
 
 @config
