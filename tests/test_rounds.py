@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import pipeline.federation.protocol  # noqa: F401,E402
 import pipeline.training.checkpoints  # noqa: F401,E402
 import pipeline.training.history  # noqa: F401,E402
-from tests.errors import logs
+from tests.errors import logs, names
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
@@ -255,6 +255,36 @@ def test_an_untrained_client_checkpoint_says_so(tmp_path):
     # a checkpoint written before the flag existed counts as trained
     (ckpt / "round001.json").write_text(json.dumps({"best-val-loss": 2.0, "best-round": 1}))
     assert latest_client_checkpoint(ckpt, before=2).trained is True
+
+
+@pytest.mark.parametrize(
+    "text, problem", [('{"best-val-loss": 2.0, "best-ro', "not valid JSON"), ("[2.0, 1]", "expected a JSON object")]
+)
+def test_a_damaged_client_checkpoint_is_one_data_error_naming_it(tmp_path, text, problem):
+    # a resumed client read its latest round's progress with json.loads: a file cut short was a JSONDecodeError
+    # naming no file, a JSON array a TypeError from dict.pop ('pop expected at most 1 argument')
+    from pipeline.common.schema import DataError
+    from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_client_checkpoint(ckpt, 1, _final(tmp_path / "client", 1.0), {"best-round": 1}, True, None)
+    (ckpt / "round001.json").write_text(text)
+    with pytest.raises(DataError) as err:
+        latest_client_checkpoint(ckpt, before=2)
+    names(err.value, str(ckpt / "round001.json"), problem)
+
+
+def test_a_stray_file_named_like_a_client_checkpoint_is_not_one(tmp_path):
+    # "round002-old.safetensors" beside the checkpoints (a site's copy) was int("002-old"): a ValueError on resume
+    # and on every round's write
+    from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "client"
+    write_client_checkpoint(ckpt, 1, _final(out, 1.0), {"best-round": 1}, True, None)
+    (ckpt / "round002-old.safetensors").write_bytes((ckpt / "round001.safetensors").read_bytes())
+    assert latest_client_checkpoint(ckpt, before=3).round == 1
+    write_client_checkpoint(ckpt, 2, _final(out, 2.0), {"best-round": 2}, True, None)
+    assert latest_client_checkpoint(ckpt, before=3).round == 2 and (ckpt / "round002-old.safetensors").exists()
 
 
 def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):

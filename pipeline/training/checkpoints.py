@@ -18,6 +18,7 @@ import torch
 
 from pipeline.common import atomic
 from pipeline.common.integrity import file_hash, read_record, sha256_dir
+from pipeline.common.schema import read_json
 from pipeline.experiments.plans import Plan
 from pipeline.modeling.adapters import adapter_file, save_adapter
 
@@ -134,7 +135,8 @@ class ClientCheckpoint:
 
 
 def _client_checkpoint_rounds(ckpt: Path) -> list[int]:
-    return sorted(int(p.stem[len("round") :]) for p in ckpt.glob("round*.safetensors"))
+    stems = (p.stem[len("round") :] for p in ckpt.glob("round*.safetensors"))
+    return sorted(int(s) for s in stems if s.isdigit())  # ours only: a "round002-old" copy is no checkpoint
 
 
 def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None:
@@ -142,7 +144,7 @@ def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None
     done = [r for r in _client_checkpoint_rounds(ckpt) if r < before and (ckpt / f"round{r:03d}.json").exists()]
     if not done:
         return None
-    progress = json.loads((ckpt / f"round{done[-1]:03d}.json").read_text())
+    progress = read_json(ckpt / f"round{done[-1]:03d}.json", "client round checkpoint")
     trained = bool(progress.pop(TRAINED_FLAG, 1))
     dp_steps = int(progress.pop(DP_STEPS)) if DP_STEPS in progress else None
     return ClientCheckpoint(done[-1], progress, trained, dp_steps, ckpt / f"round{done[-1]:03d}.safetensors")
