@@ -199,6 +199,23 @@ def test_a_local_checkpoint_counts_and_an_unreadable_one_does_not():
     assert not checkpoints.has_valid_checkpoint(plan)
 
 
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"", lambda b: b"not a torch file"])
+def test_an_unreadable_round_checkpoint_is_a_warning_naming_it_and_a_run_that_starts_over(caplog, damage):
+    # the deployed ServerApp (load_server_checkpoint) and the localhost engine's resume hint read server.pt
+    # directly: a file cut short was torch's 'PytorchStreamReader failed reading zip archive' traceback, an empty
+    # one an EOFError, naming no file (only the train stage's has_valid_checkpoint screened it, silently)
+    from pipeline.training import checkpoints
+
+    plan = _plan("rounds-damaged")
+    path = checkpoints.server_checkpoint_path(plan)
+    checkpoints.save_round_checkpoint(path, plan, 1, {"history": []})
+    path.write_bytes(damage(path.read_bytes()))
+    with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
+        assert checkpoints.load_round_checkpoint(path, plan) is None
+    logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.train"], str(path), "unreadable")
+    assert not checkpoints.has_valid_checkpoint(plan)
+
+
 def test_run_directory_layout():
     from pipeline.training import checkpoints
 

@@ -101,11 +101,16 @@ def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any
 
 
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
-    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another identity (the warning
-    names which part differs)."""
+    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, an unreadable one or one of another identity
+    (the warning names the file and why)."""
     if not path.exists():
         return None
-    state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
+    try:
+        state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
+    except Exception as exc:  # noqa: BLE001 -- damaged: torch's zip reader, pickle and EOF errors name no file
+        why = " ".join(str(exc).split())[:120]
+        log.warning("%s: checkpoint unreadable (%s: %s); starting over", path, type(exc).__name__, why)
+        return None
     for key, value in checkpoint_identity(plan).items():
         if state.get(key) != value:
             name = key.removesuffix("_hash")
@@ -119,10 +124,7 @@ def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
 def has_valid_checkpoint(plan: Plan) -> bool:
     """Whether the experiment's outputs belong to an unfinished run of this plan and code (then they are resumed)."""
     path = next((p for p in (server_checkpoint_path(plan), local_checkpoint_path(plan)) if p.exists()), None)
-    try:
-        return path is not None and load_round_checkpoint(path, plan) is not None
-    except Exception:  # unreadable
-        return False
+    return path is not None and load_round_checkpoint(path, plan) is not None  # unreadable: None, with a warning
 
 
 @dataclass
