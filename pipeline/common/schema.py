@@ -37,10 +37,10 @@ def read_json(path: Path, what: str = "JSON file", kind: type = dict) -> Any:
     return data
 
 
-def read_parquet(path: Path, what: str, columns: list) -> Any:
-    """The ``columns`` (Arrow fields) of the table an earlier stage wrote to ``path``, a DataFrame; a missing or
-    unreadable file, a missing column, one of another type (pandas' large_string is a string) or a null value is a
-    one-line DataError naming ``what``."""
+def read_parquet(path: Path, what: str, columns: list, every: bool = False) -> Any:
+    """The ``columns`` (Arrow fields; ``every``: and the table's other columns, unchecked) of the table an earlier
+    stage wrote to ``path``, a DataFrame; a missing or unreadable file, a missing column, one of another type (pandas'
+    large_string is a string) or a null value is a one-line DataError naming ``what``."""
     import pandas as pd  # lazy, as pyarrow in canonical_arrow_schema (the CLIs that import this module need neither)
     import pyarrow as pa  # lazy, as pandas
     import pyarrow.parquet as pq  # lazy, as pandas
@@ -49,7 +49,7 @@ def read_parquet(path: Path, what: str, columns: list) -> Any:
         raise DataError(f"{path}: {what} not found")
     try:
         found = pq.read_schema(path)
-        frame = pd.read_parquet(path, columns=[col.name for col in columns if col.name in found.names])
+        frame = pd.read_parquet(path, columns=None if every else [c.name for c in columns if c.name in found.names])
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: not a readable {what} ({' '.join(str(err).split())})") from None
     for col in columns:
