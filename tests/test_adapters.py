@@ -296,3 +296,18 @@ def test_equal_adapters_are_equal_files(tmp_path):
     with safe_open(tmp_path / "5.safetensors", "pt") as f:
         assert f.metadata() == meta and torch.equal(f.get_tensor("b"), tensors["b"])
         assert torch.equal(f.get_tensor("a"), tensors["a"])
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[:-4], lambda b: b[:6], lambda b: b"\xff" * 8 + b[8:]])
+def test_a_damaged_adapter_file_is_one_data_error_naming_it(tmp_path, damage):
+    # a resumed client's round checkpoint, an adapter the evaluation reads: cut short or with a broken header it was
+    # safetensors' SafetensorError ('incomplete metadata, file not fully covered'), naming no file
+    from pipeline.common.schema import DataError
+    from pipeline.modeling.adapters import load_adapter, save_adapter
+
+    path = tmp_path / "adapter_best.safetensors"
+    save_adapter(path, {"w": torch.ones(2, 3)})
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataError) as err:
+        load_adapter(path)
+    names(err.value, str(path), "not a readable adapter file")

@@ -190,6 +190,27 @@ def test_size_limit_evicts_least_recently_used(model, tmp_path):
     assert prefix.decoder_hidden.shape[0] == 1
 
 
+def test_an_entry_gone_between_listing_and_stat_is_skipped_by_the_size_count_and_eviction(model, tmp_path):
+    """Processes sharing a cache (DVC's parallel train stages) evict each other's entries: a file another process
+    removed after this one listed the directory made p.stat() raise FileNotFoundError in the size count of a new
+    cache and in eviction's sort, ending the training. A dangling link is such a file, for as long as it is there."""
+    probe = _cache(model, tmp_path / "probe")
+    probe.prefix_for(model, _same_size_batch(model, "z"))
+    size = probe.size_bytes
+    root = tmp_path / "shared"
+    first = _cache(model, root, max_bytes=2 * size + 10)
+    first.prefix_for(model, _same_size_batch(model, "z0"))
+    (first.dir / f"{'0' * 32}.safetensors").symlink_to(first.dir / "evicted-meanwhile")
+    cache = _cache(model, root, max_bytes=2 * size + 10)  # another process, starting
+    assert cache.size_bytes == size
+    for eid in ["z1", "z2"]:  # z2 needs room: z0 is evicted, the vanished entry passed over
+        cache.prefix_for(model, _same_size_batch(model, eid))
+    assert cache.stats["evicted"] == 1 and cache.size_bytes == 2 * size
+    assert sorted(p.name for p in first.dir.glob("*.safetensors") if p.exists()) == sorted(
+        cache._paths[k].name for k in cache._paths
+    )
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip_tensor_byte", "strip_checksum"])
 def test_damaged_entry_is_counted_removed_and_recomputed_exactly(model, tmp_path, damage):
     from safetensors.torch import load_file, save_file

@@ -118,7 +118,8 @@ def _write_postags(root: Path, examples: pd.DataFrame) -> None:
                     "is_noun_or_verb": pos % 2 == 0,
                 }
             )
-    pd.DataFrame(rows).to_parquet(root / "data" / "processed" / "postags.parquet", index=False)
+    table = pd.DataFrame(rows).astype({"position": "int32"})  # as stage `postag` writes it
+    table.to_parquet(root / "data" / "processed" / "postags.parquet", index=False)
 
 
 @pytest.fixture(scope="session")

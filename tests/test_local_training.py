@@ -559,3 +559,28 @@ def test_max_lengths_beyond_the_backbones_positions_are_one_config_error_not_a_t
     for key in ("max_source_length", "max_target_length"):
         with pytest.raises(ConfigError, match=rf"^model\.{key}=257 is out of range; allowed: <= 256"):
             shared_model(load_plan(write_plan(f"len-{key}", "fedavg", model={key: 257})))
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda t, p: p.write_bytes(p.read_bytes()[:-20]), "not a readable"),  # cut short
+        (lambda t, p: t.drop(columns="is_noun_or_verb").to_parquet(p, index=False), "is_noun_or_verb"),
+        # a null noun flag read as False would train CE alone on that token without a word
+        (lambda t, p: t.astype({"is_noun_or_verb": object}).assign(is_noun_or_verb=None).to_parquet(p), "null"),
+    ],
+)
+def test_a_damaged_pos_tag_file_is_one_line_naming_it_before_a_hard_kd_round(ws, damage, problem):
+    from pipeline.common.schema import DataError
+    from pipeline.paths import PATHS
+
+    plan, model, train, _ = _setup("local-hard-damaged", "hardkd", lr=0.0)
+    path = ws / PATHS.postags
+    kept = path.read_bytes()
+    try:
+        damage(pd.read_parquet(path), path)
+        with pytest.raises(DataError) as err:
+            _train(plan, model, train)
+        names(err.value, str(PATHS.postags), problem)
+    finally:
+        path.write_bytes(kept)

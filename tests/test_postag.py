@@ -174,6 +174,13 @@ def test_stage_cli_on_tiny_backbone(tmp_path, monkeypatch):
     assert table.groupby("example_id").tail(1)["word_index"].isna().all()  # [SEP] kept, no word
     rec = json.loads(report.read_text())
     assert rec["examples_tagged"] == 2 and rec["examples_skipped_by_datasets_filter"] == 1 and rec["tokens"] == 10
+    # hard KD reads what the stage wrote: the masks are its noun-verb flags, by example and position
+    from pipeline.training.client_training import _noun_verb_masks
+
+    masks = _noun_verb_masks(str(out), 0.0)._tags
+    assert {e: m.tolist() for e, (m, _) in masks.items()} == table.groupby("example_id")["is_noun_or_verb"].agg(
+        list
+    ).to_dict()
 
 
 @pytest.mark.parametrize(

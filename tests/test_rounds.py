@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import pipeline.federation.protocol  # noqa: F401,E402
 import pipeline.training.checkpoints  # noqa: F401,E402
 import pipeline.training.history  # noqa: F401,E402
-from tests.errors import logs
+from tests.errors import logs, names
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
@@ -199,6 +199,23 @@ def test_a_local_checkpoint_counts_and_an_unreadable_one_does_not():
     assert not checkpoints.has_valid_checkpoint(plan)
 
 
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"", lambda b: b"not a torch file"])
+def test_an_unreadable_round_checkpoint_is_a_warning_naming_it_and_a_run_that_starts_over(caplog, damage):
+    # the deployed ServerApp (load_server_checkpoint) and the localhost engine's resume hint read server.pt
+    # directly: a file cut short was torch's 'PytorchStreamReader failed reading zip archive' traceback, an empty
+    # one an EOFError, naming no file (only the train stage's has_valid_checkpoint screened it, silently)
+    from pipeline.training import checkpoints
+
+    plan = _plan("rounds-damaged")
+    path = checkpoints.server_checkpoint_path(plan)
+    checkpoints.save_round_checkpoint(path, plan, 1, {"history": []})
+    path.write_bytes(damage(path.read_bytes()))
+    with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
+        assert checkpoints.load_round_checkpoint(path, plan) is None
+    logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.train"], str(path), "unreadable")
+    assert not checkpoints.has_valid_checkpoint(plan)
+
+
 def test_run_directory_layout():
     from pipeline.training import checkpoints
 
@@ -255,6 +272,36 @@ def test_an_untrained_client_checkpoint_says_so(tmp_path):
     # a checkpoint written before the flag existed counts as trained
     (ckpt / "round001.json").write_text(json.dumps({"best-val-loss": 2.0, "best-round": 1}))
     assert latest_client_checkpoint(ckpt, before=2).trained is True
+
+
+@pytest.mark.parametrize(
+    "text, problem", [('{"best-val-loss": 2.0, "best-ro', "not valid JSON"), ("[2.0, 1]", "expected a JSON object")]
+)
+def test_a_damaged_client_checkpoint_is_one_data_error_naming_it(tmp_path, text, problem):
+    # a resumed client read its latest round's progress with json.loads: a file cut short was a JSONDecodeError
+    # naming no file, a JSON array a TypeError from dict.pop ('pop expected at most 1 argument')
+    from pipeline.common.schema import DataError
+    from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_client_checkpoint(ckpt, 1, _final(tmp_path / "client", 1.0), {"best-round": 1}, True, None)
+    (ckpt / "round001.json").write_text(text)
+    with pytest.raises(DataError) as err:
+        latest_client_checkpoint(ckpt, before=2)
+    names(err.value, str(ckpt / "round001.json"), problem)
+
+
+def test_a_stray_file_named_like_a_client_checkpoint_is_not_one(tmp_path):
+    # "round002-old.safetensors" beside the checkpoints (a site's copy) was int("002-old"): a ValueError on resume
+    # and on every round's write
+    from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "client"
+    write_client_checkpoint(ckpt, 1, _final(out, 1.0), {"best-round": 1}, True, None)
+    (ckpt / "round002-old.safetensors").write_bytes((ckpt / "round001.safetensors").read_bytes())
+    assert latest_client_checkpoint(ckpt, before=3).round == 1
+    write_client_checkpoint(ckpt, 2, _final(out, 2.0), {"best-round": 2}, True, None)
+    assert latest_client_checkpoint(ckpt, before=3).round == 2 and (ckpt / "round002-old.safetensors").exists()
 
 
 def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):

@@ -287,3 +287,44 @@ def test_adamw_decays_adapter_matrices_but_not_layernorm_or_bias():
     assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
     every = adamw_groups(adapter.parameters(), TrainConfig(weight_decay=0.01, decay_norm_and_bias=True))
     assert len(every[0]["params"]) == len(list(adapter.parameters())) and not every[1]["params"]
+
+
+@pytest.mark.parametrize("method", ["single", "centralized"])
+def test_a_client_without_valid_examples_is_one_error_line_before_a_serverless_run(ws, capsys, method):
+    """single/centralized pick each client's best round by its validation loss: a partition whose client has an
+    empty valid split (read_partition asks only for a train split) was a ValueError traceback from the train stage
+    (exit 1); the federated admission refuses it in one line."""
+    from pipeline import train as train_stage
+    from pipeline.common.cli import run
+    from pipeline.training.client_data import read_partition
+    from tests.test_federated import _write_partition, write_plan
+
+    clients = read_partition("data/partitions/domain/seed0.json")["clients"]
+    _write_partition(ws, "novalid", clients | {"Product": clients["Product"] | {"valid": []}})
+    write_plan(f"novalid-{method}", method, partition="novalid/seed0")
+    assert run(train_stage.main, ["--experiment", f"novalid-{method}", "--no-mlflow"]) == 2
+    names(capsys.readouterr().err, "data/partitions/novalid/seed0.json", "'Product'", "no valid examples")
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda f, p: p.write_bytes(b"PAR1 cut short"), "not a readable"),
+        (lambda f, p: f.drop(columns="target").to_parquet(p), "target"),  # named before too
+        # a null target was a tokenizer TypeError naming no file; integer ids made every partition id "missing"
+        (lambda f, p: f.assign(target=[None, "b"]).to_parquet(p), "column target is null in row 0"),
+        (lambda f, p: f.assign(example_id=[1, 2]).to_parquet(p), "column example_id is int64"),
+    ],
+)
+def test_a_damaged_examples_file_is_one_line_naming_it_when_training_reads_it(tmp_path, damage, problem):
+    from pipeline.common.schema import DataError
+    from pipeline.training.client_data import read_examples
+
+    frame = pd.DataFrame({"example_id": ["e1", "e2"], "source": ["s", "t"], "target": ["a", "b"], "domain": "X"})
+    frame.to_parquet(tmp_path / "valid.parquet", index=False)
+    read = read_examples(tmp_path / "valid.parquet")  # every column, indexed by example id
+    assert read.equals(frame.set_index("example_id", drop=False))
+    damage(frame, path := tmp_path / "examples.parquet")
+    with pytest.raises(DataError) as err:
+        read_examples(path)
+    names(err.value, str(path.resolve()), problem)

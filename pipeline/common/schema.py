@@ -37,10 +37,10 @@ def read_json(path: Path, what: str = "JSON file", kind: type = dict) -> Any:
     return data
 
 
-def read_parquet(path: Path, what: str, columns: list | None = None) -> Any:
-    """The ``columns`` (Arrow fields; all when None, unchecked) of the table an earlier stage wrote to ``path``, a
-    DataFrame; a missing or unreadable file, a missing column, one of another type (pandas' large_string is a string)
-    or a null value is a one-line DataError naming ``what``."""
+def read_parquet(path: Path, what: str, columns: list = (), every: bool = False) -> Any:
+    """The ``columns`` (Arrow fields; ``every`` or none given: and the table's other columns, unchecked) of the table
+    an earlier stage wrote to ``path``, a DataFrame; a missing or unreadable file, a missing column, one of another
+    type (pandas' large_string is a string) or a null value is a one-line DataError naming ``what``."""
     import pandas as pd  # lazy, as pyarrow in canonical_arrow_schema (the CLIs that import this module need neither)
     import pyarrow as pa  # lazy, as pandas
     import pyarrow.parquet as pq  # lazy, as pandas
@@ -49,11 +49,11 @@ def read_parquet(path: Path, what: str, columns: list | None = None) -> Any:
         raise DataError(f"{path}: {what} not found")
     try:
         found = pq.read_schema(path)
-        names = None if columns is None else [col.name for col in columns if col.name in found.names]
+        names = None if every or not columns else [c.name for c in columns if c.name in found.names]
         frame = pd.read_parquet(path, columns=names)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: not a readable {what} ({' '.join(str(err).split())})") from None
-    for col in columns or []:
+    for col in columns:
         got = found.field(col.name).type if col.name in found.names else None
         if got not in (col.type, pa.large_string() if col.type == pa.string() else col.type):
             raise DataError(f"{path}: {what}: column {col.name} is {got or 'missing'}, expected {col.type}")

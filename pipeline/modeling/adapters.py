@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from torch import nn
 
@@ -111,7 +112,10 @@ def save_adapter(path: str | Path, state: dict[str, torch.Tensor], metadata: dic
 
 
 def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
-    """An adapter file's weights; a missing file is one clear error."""
+    """An adapter file's weights; a missing or damaged file is one clear error."""
     if not Path(path).is_file():
         raise DataError(f"{path}: adapter weights not found (did the train stage finish for this client?)")
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as err:  # cut short, a broken header: safetensors' message names no file
+        raise DataError(f"{path}: not a readable adapter file ({err})") from None

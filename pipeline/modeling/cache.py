@@ -47,6 +47,12 @@ def tensors_sha256(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def _stat(path: Path) -> os.stat_result | None:
+    """None: gone since the directory was listed (another process sharing the cache evicted it)."""
+    with contextlib.suppress(OSError):
+        return path.stat()
+
+
 def _sha(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -75,7 +81,7 @@ class PrefixCache:
         self.resident: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}  # entry file -> its tensors, on device
         self._paths: dict[tuple[str, bytes, bytes], Path] = {}  # (example id, its token ids' bytes) -> entry file
         self._used: dict[Path, float] = {}  # a resident entry's last use (its file is not touched on every use)
-        self.size_bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))  # of every key
+        self.size_bytes = sum(st.st_size for p in self.root.glob("*/*.safetensors") if (st := _stat(p)))  # every key
 
     def prefix_for(self, model: AdapterSummarizer, batch: Batch) -> Prefix:
         """The batch's prefix, padded like the batch; missing entries are computed (one backbone pass) and stored."""
@@ -171,8 +177,10 @@ class PrefixCache:
 
     def _evict(self, need: int) -> None:
         """Least recently used first: by the files' mtime, or this process's last use of a resident entry."""
-        files = sorted(self.root.glob("*/*.safetensors"), key=lambda p: max(p.stat().st_mtime, self._used.get(p, 0.0)))
-        for p in files:
+        files = [
+            (max(st.st_mtime, self._used.get(p, 0.0)), p) for p in self.root.glob("*/*.safetensors") if (st := _stat(p))
+        ]
+        for _, p in sorted(files, key=lambda f: f[0]):  # stable: listing order among equal times
             if need <= 0:
                 break
             if size := self._remove(p):

@@ -18,6 +18,7 @@ import torch
 
 from pipeline.common import atomic
 from pipeline.common.integrity import file_hash, read_record, sha256_dir
+from pipeline.common.schema import read_json
 from pipeline.experiments.plans import Plan
 from pipeline.modeling.adapters import adapter_file, save_adapter
 
@@ -100,11 +101,16 @@ def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any
 
 
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
-    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another identity (the warning
-    names which part differs)."""
+    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, an unreadable one or one of another identity
+    (the warning names the file and why)."""
     if not path.exists():
         return None
-    state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
+    try:
+        state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
+    except Exception as exc:  # noqa: BLE001 -- damaged: torch's zip reader, pickle and EOF errors name no file
+        why = " ".join(str(exc).split())[:120]
+        log.warning("%s: checkpoint unreadable (%s: %s); starting over", path, type(exc).__name__, why)
+        return None
     for key, value in checkpoint_identity(plan).items():
         if state.get(key) != value:
             name = key.removesuffix("_hash")
@@ -118,10 +124,7 @@ def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
 def has_valid_checkpoint(plan: Plan) -> bool:
     """Whether the experiment's outputs belong to an unfinished run of this plan and code (then they are resumed)."""
     path = next((p for p in (server_checkpoint_path(plan), local_checkpoint_path(plan)) if p.exists()), None)
-    try:
-        return path is not None and load_round_checkpoint(path, plan) is not None
-    except Exception:  # unreadable
-        return False
+    return path is not None and load_round_checkpoint(path, plan) is not None  # unreadable: None, with a warning
 
 
 @dataclass
@@ -134,7 +137,8 @@ class ClientCheckpoint:
 
 
 def _client_checkpoint_rounds(ckpt: Path) -> list[int]:
-    return sorted(int(p.stem[len("round") :]) for p in ckpt.glob("round*.safetensors"))
+    stems = (p.stem[len("round") :] for p in ckpt.glob("round*.safetensors"))
+    return sorted(int(s) for s in stems if s.isdigit())  # ours only: a "round002-old" copy is no checkpoint
 
 
 def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None:
@@ -142,7 +146,7 @@ def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None
     done = [r for r in _client_checkpoint_rounds(ckpt) if r < before and (ckpt / f"round{r:03d}.json").exists()]
     if not done:
         return None
-    progress = json.loads((ckpt / f"round{done[-1]:03d}.json").read_text())
+    progress = read_json(ckpt / f"round{done[-1]:03d}.json", "client round checkpoint")
     trained = bool(progress.pop(TRAINED_FLAG, 1))
     dp_steps = int(progress.pop(DP_STEPS)) if DP_STEPS in progress else None
     return ClientCheckpoint(done[-1], progress, trained, dp_steps, ckpt / f"round{done[-1]:03d}.safetensors")

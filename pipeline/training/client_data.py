@@ -10,17 +10,17 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
-from pipeline.common.schema import DataError, read_json
+from pipeline.common.schema import DataError, read_json, read_parquet
 from pipeline.experiments.plans import Plan
 from pipeline.training.seeds import derived_seed
 
 
 @lru_cache(maxsize=4)
 def _read_examples(path: str, mtime: float) -> pd.DataFrame:
-    df = pd.read_parquet(path)
-    if missing := [col for col in ("example_id", "source", "target") if col not in df.columns]:
-        raise DataError(f"{path}: no column {missing[0]!r} (columns: {list(df.columns)})")
+    columns = [pa.field(name, pa.string()) for name in ("example_id", "source", "target")]
+    df = read_parquet(Path(path), "examples file (stage `examples`)", columns, every=True)  # every: a site's kit
     return df.set_index("example_id", drop=False)  # unique: the examples stage checks
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipeline.common.schema import DataError
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import CacheConfig
 from pipeline.training import checkpoints
@@ -37,6 +38,8 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
     validations execute at the set's round barrier with the other runs' clients (set_engine.park)."""
     names = client_names(plan)
     datas = {n: client_data(plan, n) for n in names}
+    if unvalidated := [n for n in names if len(datas[n].valid) == 0]:
+        raise DataError(f"{plan.paths['partition']}: client {unvalidated[0]!r} has no valid examples: no best round")
     model = shared_model(plan)
     cache = prefix_cache_for(plan, model, cache_settings)
     window = None
@@ -47,8 +50,6 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
             window = max(len(datas[n].train) for n in names)
     else:
         units = {n: datas[n].train for n in names}
-    if unvalidated := [n for n in names if len(datas[n].valid) == 0]:
-        raise ValueError(f"{plan.paths['partition']}: client {unvalidated[0]!r} has no valid examples: no best round")
 
     ckpt_path = checkpoints.local_checkpoint_path(plan)
     if (ckpt := checkpoints.load_round_checkpoint(ckpt_path, plan)) is not None:
