@@ -54,7 +54,13 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
                 delete_run(run_id_file.read_text().strip(), unless_logged=ROUND_METRIC)
         # this plan's client-level DP releases (round 1's leave before its checkpoint) are redone afresh, counted again
         releases, record = checkpoints.checkpoint_dir(plan) / checkpoints.DP_RELEASES, out_dir / "experiment.json"
-        ours = releases.exists() and record.exists() and record_hash(json.loads(record.read_text())) == plan.hash
+        try:
+            ours = releases.exists() and record.exists() and record_hash(json.loads(record.read_text())) == plan.hash
+        except ValueError as err:  # whose releases they are cannot be read: counted again, never left out
+            logging.getLogger(__name__).warning(
+                "%s: unreadable (%s); its client-level DP releases are kept", record, err
+            )
+            ours = True
         kept = releases.read_text() if ours else None
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
         if kept is not None:

@@ -653,14 +653,15 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("killed", [1, 2])
-def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws, monkeypatch, killed):
+@pytest.mark.parametrize("killed, damaged", [(1, False), (2, False), (1, True)], ids=["1", "2", "1-record-damaged"])
+def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws, monkeypatch, killed, damaged):
     """fedavg's evaluate step sends round r's noisy global to every client before the server checkpoint of round r:
     a server killed in between redoes round r on resuming, and a client that failed in the first attempt and not in
     the second made the two releases differ by its clipped update / m alone if they drew the same noise. Each
     release needs its own noise (their difference: N(0, 2 (z C / m)^2) per coordinate) and the accountant composes
     both (3 releases in 2 rounds: opacus' RDP at q = 1 over 3 steps, computed here directly). Round 1 too: the
-    train stage restarts a run killed before its first checkpoint in a clean run directory."""
+    train stage restarts a run killed before its first checkpoint in a clean run directory; when the run's record
+    (experiment.json) is damaged, whose releases they were cannot be read: they are kept and counted again."""
     from pipeline.federation import client_app, server_app
     from pipeline.train import run_experiment
     from tests.faults import Killed
@@ -692,6 +693,8 @@ def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws
     monkeypatch.setattr(server_app, "_evaluate", evaluate)
     with pytest.raises(Killed):
         run_experiment(path, track=False)
+    if damaged:
+        Path("models/cdp-redo/experiment.json").write_text('{"experiment": "cdp-re')  # cut short
     attempt[0] = 2
     run_experiment(path, track=False)
     difference = released[1] - released[0]

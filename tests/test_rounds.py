@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -374,6 +375,30 @@ ROWS = [
     },
     {"round": 1, "client": "C", "bytes_down": 7, "failed": 0, "absent": 1, "kd": None},
 ]
+
+
+def test_gate_log_parts_merge_without_a_stray_copy_and_a_damaged_part_is_one_line_naming_it():
+    """The run's gate log joins the clients' parts of rounds 1..R; a copy such as round002-old.parquet is no part (it
+    was an int() ValueError), and a part cut short is one DataError naming it (it was pyarrow's traceback)."""
+    from pipeline.common.schema import DataError
+    from pipeline.training.client_training import GATE_LOG_DTYPES
+    from pipeline.training.summary import merge_gate_logs
+
+    plan = _plan("rounds-gate", rounds=2)
+    parts = Path(plan.paths["out_dir"]) / "clients" / "Committee" / "gate_log"
+    parts.mkdir(parents=True)
+    for rnd in (1, 2, 3):  # round 3: beyond the run's 2 rounds (a longer run's part), left out
+        row = pd.DataFrame([["Committee", rnd, f"e{rnd}", 0, 7, 0.5, True]], columns=list(GATE_LOG_DTYPES))
+        row.astype(GATE_LOG_DTYPES).to_parquet(parts / f"round{rnd:03d}.parquet")
+    (parts / "round002-old.parquet").write_bytes((parts / "round002.parquet").read_bytes())
+    merge_gate_logs(plan)
+    merged = pd.read_parquet(Path(plan.paths["out_dir"]) / "gate_log.parquet")
+    assert merged["example_id"].tolist() == ["e1", "e2"] and merged["round"].tolist() == [1, 2]
+    (parts / "round002.parquet").write_bytes((parts / "round002.parquet").read_bytes()[:40])
+    with pytest.raises(
+        DataError, match=rf"^{re.escape(str(parts / 'round002.parquet'))}: not a readable gate log part"
+    ):
+        merge_gate_logs(plan)
 
 
 def test_round_metrics_are_the_rows_values_their_byte_sums_and_mean_validation_loss():

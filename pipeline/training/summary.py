@@ -10,6 +10,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.integrity import backbone_name
+from pipeline.common.schema import read_parquet
 from pipeline.common.timing import peak_rss_mb
 from pipeline.experiments.plans import Plan
 from pipeline.training.client_training import empty_gate_log
@@ -41,9 +42,9 @@ def merge_gate_logs(plan: Plan) -> None:
     stay until the run's checkpoint is gone: pipeline.train.run_experiment)."""
     out_dir = Path(plan.paths["out_dir"])
     parts = [
-        pd.read_parquet(f)
+        read_parquet(f, "gate log part")
         for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet"))
-        if int(f.stem[len("round") :]) <= plan.train.rounds
+        if f.stem[len("round") :].isdigit() and int(f.stem[len("round") :]) <= plan.train.rounds  # a copy is no part
     ]
     path = out_dir / "gate_log.parquet"
     atomic.to_parquet(pd.concat(parts, ignore_index=True) if parts else empty_gate_log(), path, index=False)
