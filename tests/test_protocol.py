@@ -166,6 +166,31 @@ def test_a_reply_whose_int8_scale_is_not_one_finite_number_is_undecodable(ws, sc
     names(err.value, f"{next(iter(sent))}.int8_scale")
 
 
+@pytest.mark.parametrize("dtype, delta", [("fp32", False), ("fp16", False), ("fp16", True)])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_reply_holding_nan_or_inf_weights_is_undecodable(ws, dtype, delta, value):
+    """No client sends a non-finite weight (compression.encode_state refuses to): one that does is its client's
+    failure for the round (ValueError naming the array). Before, FedAvg averaged it into the global, which the
+    server then refused to send in the next round (a ValueError naming no client ended its run), or, in the last
+    round, saved as the run's adapter."""
+    from pipeline.federation.protocol import decode_reply
+    from pipeline.training.shared_model import initial_adapter_state
+
+    plan = _plan(dtype, delta)
+    sent = initial_adapter_state(plan)
+    key = sorted(sent)[-1]
+    wire = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
+    encoded = {k: (v - sent[k] if delta else v).to(wire) for k, v in sent.items()}
+    encoded[key] = encoded[key].clone()
+    encoded[key].view(-1)[-1] = value
+    with pytest.raises(ValueError) as err:
+        decode_reply(ArrayRecord.from_torch_state_dict(encoded), plan, sent)
+    names(err.value, key, "NaN or inf")
+    encoded[key].view(-1)[-1] = 0.5  # the same reply with a finite weight there decodes to it
+    decoded = decode_reply(ArrayRecord.from_torch_state_dict(encoded), plan, sent).to_torch_state_dict()
+    assert decoded[key].view(-1)[-1] == torch.tensor(0.5) + (sent[key].view(-1)[-1] if delta else 0.0)
+
+
 def test_a_reply_whose_bytes_are_not_the_arrays_it_declares_is_undecodable(ws):
     """The strategy aggregates what an Array's bytes hold (np.load), not the shape it declares: one declaring the
     adapter's shape but holding one row was broadcast over every row of FedAvg's mean (or, its reply first, numpy's

@@ -798,6 +798,24 @@ def test_a_reply_whose_arrays_are_not_the_adapters_is_left_out_not_the_servers_e
         assert_state(final, {k: v + DELTAS["Product"] for k, v in initial(path).items()}, exact=False)
 
 
+def test_a_reply_holding_nan_weights_is_left_out_not_averaged_into_the_global(ws, caplog):
+    """A reply whose fp32 arrays hold a NaN (no client's encode_state sends one): that client's failure for the
+    round, named in one log line; the others' mean is the global. Before, FedAvg averaged it in and round 2's
+    encode_global raised a ValueError naming no client, ending the server's run."""
+    from flwr.app import ArrayRecord
+
+    path = write_plan("loop-nan-reply", "fedavg", rounds=2, fraction_train=1.0)
+    nan = ArrayRecord.from_torch_state_dict({k: torch.full(v.shape, float("nan")) for k, v in initial(path).items()})
+    script = Script(more_records={("Academic", 1): {"arrays": nan}})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script)
+    r1 = rows_of(history, 1)
+    assert [c for c in r1 if r1[c]["failed"]] == ["Academic"] and "NaN or inf" in r1["Academic"]["error"]
+    logs(logged(caplog), "round 1", "Academic", "NaN or inf")
+    move = weighted_update(["Committee", "Product"], script) + weighted_update(list(DELTAS)[:3], script)
+    assert_state(final, {k: v + move for k, v in initial(path).items()}, exact=False)
+
+
 def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):
     """Whatever the order the replies arrive in: a different client's reply is undecodable in each of 3 rounds;
     each round aggregates exactly the other two."""
