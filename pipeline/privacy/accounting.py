@@ -123,8 +123,14 @@ def secure_sum_problem(secagg: SecAggConfig, clients: int, first: int, fraction_
             f"privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} clients x "
             f"train.fraction_train {fraction_train} samples {per_round}"
         )
-    if isinstance(t := secagg.reconstruction_threshold, int) and t > per_round:  # Flower's clients refuse the setup
-        return f"privacy.secagg.reconstruction_threshold {t} > the {per_round} clients of a round's sum: none unmasks"
+    said, t, shares = f"{secagg.reconstruction_threshold:g}", secagg.reconstruction_threshold, secagg.num_shares
+    if isinstance(t, float) and isinstance(shares, int) and shares > 2:  # Flower's threshold of a count of shares
+        t = max(round(t * shares), 2)
+        said += f" of num_shares {shares} = {t}"
+    if isinstance(t, int) and t > per_round:  # Flower's clients refuse the setup
+        return (
+            f"privacy.secagg.reconstruction_threshold {said} > the {per_round} clients of a round's sum: none unmasks"
+        )
     if clients * secagg.quantization_range >= SECAGG_MODULUS:  # the masked sum of the uploads wraps the modulus
         return (
             f"privacy.secagg.quantization_range {secagg.quantization_range} x {clients} clients >= 2**32: the masked "
