@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import pipeline.federation.protocol  # noqa: F401,E402
 import pipeline.training.checkpoints  # noqa: F401,E402
 import pipeline.training.history  # noqa: F401,E402
-from tests.errors import logs
+from tests.errors import logs, names
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
@@ -197,6 +197,25 @@ def test_a_local_checkpoint_counts_and_an_unreadable_one_does_not():
     assert checkpoints.has_valid_checkpoint(plan)
     path.write_bytes(b"not a torch file")
     assert not checkpoints.has_valid_checkpoint(plan)
+
+
+@pytest.mark.parametrize("damage", [b"not a torch file", None])
+def test_an_unreadable_server_checkpoint_is_one_line_naming_it_and_is_kept(damage):
+    """A deployed ServerApp reads its checkpoint itself (deployment.serve): a damaged one (garbage, or a write cut
+    short) raised torch's UnpicklingError / RuntimeError naming no file; now one line names the file and says how
+    to start over, and the file stays for whoever looks into it."""
+    from pipeline.common.schema import DataError
+    from pipeline.training import checkpoints
+
+    plan = _plan(f"rounds-damaged-{damage is None}")
+    path = checkpoints.server_checkpoint_path(plan)
+    checkpoints.save_round_checkpoint(path, plan, 2, {"history": []})
+    assert checkpoints.load_round_checkpoint(path, plan)["round"] == 2  # the intact one is read back
+    path.write_bytes(damage if damage is not None else path.read_bytes()[:-100])
+    with pytest.raises(DataError) as err:
+        checkpoints.load_round_checkpoint(path, plan)
+    names(err.value, str(path), "delete it")
+    assert path.exists() and not checkpoints.has_valid_checkpoint(plan)  # the in-process run starts over (as before)
 
 
 def test_run_directory_layout():

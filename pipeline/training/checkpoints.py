@@ -18,6 +18,7 @@ import torch
 
 from pipeline.common import atomic
 from pipeline.common.integrity import file_hash, read_record, sha256_dir
+from pipeline.common.schema import DataError
 from pipeline.experiments.plans import Plan
 from pipeline.modeling.adapters import adapter_file, save_adapter
 
@@ -101,10 +102,14 @@ def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any
 
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
     """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another identity (the warning
-    names which part differs)."""
+    names which part differs); a file torch cannot read raises DataError naming it (a deployed server reads its own)."""
     if not path.exists():
         return None
-    state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
+    try:
+        state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
+    except Exception as exc:  # noqa: BLE001 -- torch's UnpicklingError, RuntimeError (a cut zip), EOFError, ...
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+        raise DataError(f"{path}: unreadable round checkpoint ({why}); delete it to start the run over") from None
     for key, value in checkpoint_identity(plan).items():
         if state.get(key) != value:
             name = key.removesuffix("_hash")
