@@ -217,6 +217,29 @@ def test_a_reply_whose_bytes_are_not_the_arrays_it_declares_is_undecodable(ws):
         names(err.value, key)
 
 
+@pytest.mark.parametrize("dtype", ["<U1", "S4", "datetime64[s]", "V4"])
+def test_a_reply_array_of_a_dtype_torch_cannot_hold_is_undecodable(ws, dtype):
+    """An array of the adapter's shape holding text, bytes, dates or raw records: its client's failure for the
+    round (ValueError naming the array); before, torch's TypeError ("can't convert np.ndarray of type ...") left
+    decode_reply, which the server does not catch, ending its run naming no client."""
+    import numpy as np
+    from flwr.app import Array
+
+    from pipeline.federation.protocol import decode_reply
+    from pipeline.training.shared_model import initial_adapter_state
+
+    plan = _plan("fp32", False)
+    sent = initial_adapter_state(plan)
+    key = sorted(sent)[-1]
+    record = ArrayRecord.from_torch_state_dict(sent)
+    record[key] = Array(np.zeros(tuple(sent[key].shape), dtype=dtype))
+    with pytest.raises(ValueError) as err:
+        decode_reply(record, plan, sent)
+    names(err.value, key, dtype.lstrip("<"))
+    record[key] = Array(sent[key].numpy().astype(np.float16))  # a float16 one is decoded, as before
+    assert torch.equal(decode_reply(record, plan, sent).to_torch_state_dict()[key], sent[key].half().float())
+
+
 def test_payload_bytes_count_every_array_record_and_nothing_else(ws):
     from flwr.app import Array
 

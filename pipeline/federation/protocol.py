@@ -158,8 +158,8 @@ def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor])
     """Server side: a reply's float32 local adapter as the strategy aggregates it; ``sent`` = this round's decoded
     global (as the client decoded it, bit for bit). Float32 arrays without a delta are that already (decoding and
     encoding again gives their bytes back). Arrays other than the adapter's (by key and the shape their bytes hold),
-    or holding NaN or inf (which no client's encode_state sends; FedAvg would average it in), raise ValueError naming
-    them."""
+    of a dtype no encoding sends (torch cannot hold text or dates: its TypeError), or holding NaN or inf (which no
+    client's encode_state sends; FedAvg would average it in), raise ValueError naming them."""
     held = {}  # what each Array's bytes hold, which the strategy reads (np.load), not the shape and dtype it declares
     for k, a in record.items():
         try:
@@ -170,6 +170,8 @@ def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor])
     shapes = {k: shape for k, (shape, _) in held.items() if not k.endswith(SCALE_SUFFIX)}
     if odd := sorted(k for k in shapes.keys() | adapter.keys() if shapes.get(k) != adapter.get(k)):
         raise ValueError(f"its arrays are not the adapter's (other keys or shapes): {odd[:4]}")
+    if odd := {k: str(d) for k, (_, d) in held.items() if d not in (np.float32, np.float16, np.int8)}:
+        raise ValueError(f"its arrays are not float32, float16 or int8 (native byte order): {sorted(odd.items())[:4]}")
     delta = delta_encoded(plan)
     # in the global's key order: client-level DP's clipping takes the update position by position against it
     if not delta and all(d == np.float32 and not k.endswith(SCALE_SUFFIX) for k, (_, d) in held.items()):
