@@ -297,7 +297,7 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # can carry; an entry's train key its method never reads refused; a run none of whose clients ever trained an error,
 # not a finished run; NaN intervals and the seed/limit counts in the generated text; Table II's heading naming the
 # configured query kinds; an empty ingest.datasets refused. No structure saving was found (the last note's reasons).
-PACKAGE_LINE_CEILING = 14_811
+PACKAGE_LINE_CEILING = 14_816
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
