@@ -101,6 +101,24 @@ def test_prv_without_a_finite_bound_reports_rdps_and_names_it(ws, caplog):
     assert (record["epsilon_max"], record["accountant"], record["delta_max"]) == (expected, "rdp", 1e-5)
 
 
+@pytest.mark.parametrize("z, q, steps, delta", [(1e-6, 0.5, 100, 1e-5), (1.0, 0.01, 10, 1e-30)])
+def test_prv_raising_at_extreme_settings_reports_rdps_bound_and_names_it(caplog, z, q, steps, delta):
+    """opacus' PRV raises where it cannot bound epsilon at all: MemoryError at a tiny noise multiplier (its grid
+    would take EiB), ValueError "Floating point errors will dominate" at a tiny delta (both valid settings). That
+    ended a client's train reply after its round's training (every round of the run), or the server's round under
+    client-level DP, naming neither the accountant nor the setting. The run reports RDP's bound there, as where PRV
+    gives inf (opacus' RDPAccountant called directly), named and logged."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    (prv := PRVAccountant()).history = [(z, q, steps)]
+    with pytest.raises((MemoryError, ValueError)):  # the library's own
+        prv.get_epsilon(delta=delta)
+    (rdp := RDPAccountant()).history = [(z, q, steps)]
+    with caplog.at_level("WARNING"):
+        assert bound(z, q, steps, delta, "prv") == (pytest.approx(rdp.get_epsilon(delta=delta), rel=1e-12), "rdp")
+    assert any("PRV" in r.message and "RDP" in r.message and f"{delta:g}" in r.message for r in caplog.records)
+
+
 def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
     assert bound(1.0, 0.5, 0, 1e-3)[0] == 0.0
     assert bound(1.0, 0.5, 3, 1e-3)[0] < bound(1.0, 0.5, 6, 1e-3)[0]

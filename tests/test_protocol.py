@@ -166,6 +166,31 @@ def test_a_reply_whose_int8_scale_is_not_one_finite_number_is_undecodable(ws, sc
     names(err.value, f"{next(iter(sent))}.int8_scale")
 
 
+@pytest.mark.parametrize("dtype, delta", [("fp32", False), ("fp16", False), ("fp16", True)])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_reply_holding_nan_or_inf_weights_is_undecodable(ws, dtype, delta, value):
+    """No client sends a non-finite weight (compression.encode_state refuses to): one that does is its client's
+    failure for the round (ValueError naming the array). Before, FedAvg averaged it into the global, which the
+    server then refused to send in the next round (a ValueError naming no client ended its run), or, in the last
+    round, saved as the run's adapter."""
+    from pipeline.federation.protocol import decode_reply
+    from pipeline.training.shared_model import initial_adapter_state
+
+    plan = _plan(dtype, delta)
+    sent = initial_adapter_state(plan)
+    key = sorted(sent)[-1]
+    wire = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
+    encoded = {k: (v - sent[k] if delta else v).to(wire) for k, v in sent.items()}
+    encoded[key] = encoded[key].clone()
+    encoded[key].view(-1)[-1] = value
+    with pytest.raises(ValueError) as err:
+        decode_reply(ArrayRecord.from_torch_state_dict(encoded), plan, sent)
+    names(err.value, key, "NaN or inf")
+    encoded[key].view(-1)[-1] = 0.5  # the same reply with a finite weight there decodes to it
+    decoded = decode_reply(ArrayRecord.from_torch_state_dict(encoded), plan, sent).to_torch_state_dict()
+    assert decoded[key].view(-1)[-1] == torch.tensor(0.5) + (sent[key].view(-1)[-1] if delta else 0.0)
+
+
 def test_a_reply_whose_bytes_are_not_the_arrays_it_declares_is_undecodable(ws):
     """The strategy aggregates what an Array's bytes hold (np.load), not the shape it declares: one declaring the
     adapter's shape but holding one row was broadcast over every row of FedAvg's mean (or, its reply first, numpy's
@@ -190,6 +215,29 @@ def test_a_reply_whose_bytes_are_not_the_arrays_it_declares_is_undecodable(ws):
         with pytest.raises(ValueError) as err:
             decode_reply(record, plan, sent)
         names(err.value, key)
+
+
+@pytest.mark.parametrize("dtype", ["<U1", "S4", "datetime64[s]", "V4"])
+def test_a_reply_array_of_a_dtype_torch_cannot_hold_is_undecodable(ws, dtype):
+    """An array of the adapter's shape holding text, bytes, dates or raw records: its client's failure for the
+    round (ValueError naming the array); before, torch's TypeError ("can't convert np.ndarray of type ...") left
+    decode_reply, which the server does not catch, ending its run naming no client."""
+    import numpy as np
+    from flwr.app import Array
+
+    from pipeline.federation.protocol import decode_reply
+    from pipeline.training.shared_model import initial_adapter_state
+
+    plan = _plan("fp32", False)
+    sent = initial_adapter_state(plan)
+    key = sorted(sent)[-1]
+    record = ArrayRecord.from_torch_state_dict(sent)
+    record[key] = Array(np.zeros(tuple(sent[key].shape), dtype=dtype))
+    with pytest.raises(ValueError) as err:
+        decode_reply(record, plan, sent)
+    names(err.value, key, dtype.lstrip("<"))
+    record[key] = Array(sent[key].numpy().astype(np.float16))  # a float16 one is decoded, as before
+    assert torch.equal(decode_reply(record, plan, sent).to_torch_state_dict()[key], sent[key].half().float())
 
 
 def test_payload_bytes_count_every_array_record_and_nothing_else(ws):

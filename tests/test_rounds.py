@@ -201,7 +201,7 @@ def test_a_local_checkpoint_counts_and_an_unreadable_one_does_not():
 
 
 @pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"", lambda b: b"not a torch file"])
-def test_an_unreadable_round_checkpoint_is_a_warning_naming_it_and_a_run_that_starts_over(caplog, damage):
+def test_an_unreadable_round_checkpoint_is_a_warning_naming_it_where_the_train_stage_starts_over(caplog, damage):
     # the deployed ServerApp (load_server_checkpoint) and the localhost engine's resume hint read server.pt
     # directly: a file cut short was torch's 'PytorchStreamReader failed reading zip archive' traceback, an empty
     # one an EOFError, naming no file (only the train stage's has_valid_checkpoint screened it, silently)
@@ -212,9 +212,29 @@ def test_an_unreadable_round_checkpoint_is_a_warning_naming_it_and_a_run_that_st
     checkpoints.save_round_checkpoint(path, plan, 1, {"history": []})
     path.write_bytes(damage(path.read_bytes()))
     with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
-        assert checkpoints.load_round_checkpoint(path, plan) is None
-    logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.train"], str(path), "unreadable")
-    assert not checkpoints.has_valid_checkpoint(plan)
+        assert not checkpoints.has_valid_checkpoint(plan)  # the train stage's screen: it starts over, saying why
+    logs(
+        [r.getMessage() for r in caplog.records if r.name == "fedmeet.train"], str(path), "unreadable", "starting over"
+    )
+
+
+@pytest.mark.parametrize("damage", [b"not a torch file", None])
+def test_an_unreadable_server_checkpoint_is_one_line_naming_it_and_is_kept(damage):
+    """A deployed ServerApp reads its checkpoint itself (deployment.serve): a damaged one (garbage, or a write cut
+    short) raised torch's UnpicklingError / RuntimeError naming no file; now one line names the file and says how
+    to start over, and the file stays for whoever looks into it."""
+    from pipeline.common.schema import DataError
+    from pipeline.training import checkpoints
+
+    plan = _plan(f"rounds-damaged-{damage is None}")
+    path = checkpoints.server_checkpoint_path(plan)
+    checkpoints.save_round_checkpoint(path, plan, 2, {"history": []})
+    assert checkpoints.load_round_checkpoint(path, plan)["round"] == 2  # the intact one is read back
+    path.write_bytes(damage if damage is not None else path.read_bytes()[:-100])
+    with pytest.raises(DataError) as err:
+        checkpoints.load_round_checkpoint(path, plan)
+    names(err.value, str(path), "delete it")
+    assert path.exists() and not checkpoints.has_valid_checkpoint(plan)  # the in-process run starts over (as before)
 
 
 def test_run_directory_layout():

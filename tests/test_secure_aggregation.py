@@ -1065,6 +1065,18 @@ def test_the_privacy_docs_secagg_threshold_and_client_dp_margin_are_the_params_a
     assert f"(C' - C is about {margin['default']:.3f} for the default adapters, {margin['bart-base']:.3f} for" in text
 
 
+def test_a_fractional_threshold_of_a_count_of_shares_is_refused_only_above_the_clients_of_a_round():
+    """Flower's threshold of an integer num_shares is max(round(t x num_shares), 2): 0.67 x 5 = 3.35 -> 3 keys of 3
+    clients runs; 0.67 x 7 = 4.69 -> 5 of 3 halted every round's setup (a run that trained nothing, found at its
+    end), of 5 clients it runs."""
+    from pipeline.experiments.privacy import SecAggConfig
+    from pipeline.privacy.accounting import secure_sum_problem
+
+    assert secure_sum_problem(SecAggConfig(num_shares=5), 3, 3, 1.0) is None
+    assert secure_sum_problem(SecAggConfig(num_shares=7), 5, 5, 1.0) is None
+    names(secure_sum_problem(SecAggConfig(num_shares=7), 3, 3, 1.0), "0.67", "num_shares 7", "= 5", "3 clients")
+
+
 @pytest.mark.parametrize(
     "entry, problem",
     [  # by hand: max(int(3 x 0.5), 1) = 1 upload a round; 3 x 2**31 = 1.5 x 2**32 wraps the masked sum
@@ -1072,6 +1084,8 @@ def test_the_privacy_docs_secagg_threshold_and_client_dp_margin_are_the_params_a
         ({"privacy": {"secagg": {"quantization_range": 2**31}}}, "quantization_range 2147483648 x 3 clients"),
         # Flower's secaggplus_mod: 'Available neighbours number smaller than threshold' (3 keys < 4) in every round
         ({"privacy": {"secagg": {"reconstruction_threshold": 4}}}, "reconstruction_threshold 4 > the 3 clients"),
+        # Flower's threshold of 7 shares: round(0.67 x 7) = 5 of 3 keys; every round halted, nothing trained
+        ({"privacy": {"secagg": {"num_shares": 7}}}, "reconstruction_threshold 0.67 of num_shares 7 = 5 > the 3"),
     ],
 )
 def test_a_secagg_setting_the_plan_knows_cannot_run_is_refused_by_the_plan_stage(tmp_path, capsys, entry, problem):

@@ -61,6 +61,7 @@ class Script:
     more_metrics: dict = field(default_factory=dict)  # (client, round) -> metrics added to its train reply
     more_records: dict = field(default_factory=dict)  # (client, round) -> records added to its train reply
     privacy: bool = False
+    counts: dict = field(default_factory=dict)  # client -> the num-train / num-valid its identify reply reports
     dp_clipped: dict = field(default_factory=dict)  # client -> the client-side clipping mod's "clipped" bit
     calls: list = field(default_factory=list)  # (kind, client, round, received state or None)
     configs: list = field(default_factory=list)  # (client, round, the train message's config)
@@ -91,6 +92,7 @@ def scripted_app(script: Script):
             raise RuntimeError("no client name configured\n(a second line)")
         own = load_plan(plan_path_of(msg, context)).hash  # the plan the node serves, as the ClientApp's
         identity = ConfigRecord({"client-name": context.node_config["client-name"], "plan-hash": own})
+        identity.update(script.counts.get(context.node_config["client-name"], {}))
         return Message(RecordDict({"identity": identity}), reply_to=msg)
 
     @app.train()
@@ -798,6 +800,24 @@ def test_a_reply_whose_arrays_are_not_the_adapters_is_left_out_not_the_servers_e
         assert_state(final, {k: v + DELTAS["Product"] for k, v in initial(path).items()}, exact=False)
 
 
+def test_a_reply_holding_nan_weights_is_left_out_not_averaged_into_the_global(ws, caplog):
+    """A reply whose fp32 arrays hold a NaN (no client's encode_state sends one): that client's failure for the
+    round, named in one log line; the others' mean is the global. Before, FedAvg averaged it in and round 2's
+    encode_global raised a ValueError naming no client, ending the server's run."""
+    from flwr.app import ArrayRecord
+
+    path = write_plan("loop-nan-reply", "fedavg", rounds=2, fraction_train=1.0)
+    nan = ArrayRecord.from_torch_state_dict({k: torch.full(v.shape, float("nan")) for k, v in initial(path).items()})
+    script = Script(more_records={("Academic", 1): {"arrays": nan}})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script)
+    r1 = rows_of(history, 1)
+    assert [c for c in r1 if r1[c]["failed"]] == ["Academic"] and "NaN or inf" in r1["Academic"]["error"]
+    logs(logged(caplog), "round 1", "Academic", "NaN or inf")
+    move = weighted_update(["Committee", "Product"], script) + weighted_update(list(DELTAS)[:3], script)
+    assert_state(final, {k: v + move for k, v in initial(path).items()}, exact=False)
+
+
 def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):
     """Whatever the order the replies arrive in: a different client's reply is undecodable in each of 3 rounds;
     each round aggregates exactly the other two."""
@@ -979,6 +999,24 @@ def test_privacy_reports_become_the_rows_privacy_fields(ws):
     _, history, _ = run(path, Script(privacy=True))
     row = rows_of(history, 1)["Academic"]
     assert (row["epsilon"], row["max_grad_norm"], row["dp_steps"], row["clipped_fraction"]) == (3.0, None, 4, 0.25)
+
+
+def test_a_delta_a_client_cannot_meet_by_its_reported_train_size_is_refused_before_any_round(ws):
+    """A deployed server holds no partition: train.py's check of each client's delta against 1 / its training
+    examples never ran there, so a site whose own partition holds 5 examples (delta 0.3 >= 1/5) failed each round's
+    training (ConfigError, on the client) and, in deployment.serve, the run ended after its last round with every
+    round's checkpoint deleted. Now the server checks the train sizes the clients report at admission."""
+    from pipeline.common.config import ConfigError
+
+    path = _client_dp(write_plan("loop-delta-sizes", "fedavg", rounds=2, fraction_train=1.0), "example", delta=0.3)
+    script = Script(privacy=True, counts={"Academic": {"num-train": 5, "num-valid": 2}})
+    with pytest.raises(ConfigError) as err:
+        run(path, script)
+    names(err.value, "client 'Academic'", "privacy.delta 0.3", "1/5")
+    assert not [call for call in script.calls if call[0] == "train"]
+    script = Script(privacy=True, counts={"Academic": {"num-train": 50, "num-valid": 2}})
+    _, history, _ = run(_client_dp(write_plan("loop-delta-ok", "fedavg", rounds=1), "example", delta=0.01), script)
+    assert [r["round"] for r in history] == [1, 1, 1]  # 0.01 < 1/50: the run goes on
 
 
 # ----------------------------------------------------------------------------------------------- nodes

@@ -251,7 +251,10 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         """Where a rerun starts: round 1, or the one after the server's last checkpointed round (a resumed run)."""
         from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path  # lazy: torch (~1 s)
 
-        ckpt = load_round_checkpoint(self.workdir / server_checkpoint_path(self.plan), self.plan)
+        try:
+            ckpt = load_round_checkpoint(self.workdir / server_checkpoint_path(self.plan), self.plan)
+        except DataError as err:  # a damaged checkpoint: said beside the run's own error, never instead of it
+            return str(err)
         command = f"python -m pipeline.federation local --plan {self.cfg.plan}"
         if ckpt is None:
             return f"no round was checkpointed; rerun `{command}` to start over"

@@ -157,8 +157,9 @@ def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str,
 def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> ArrayRecord:
     """Server side: a reply's float32 local adapter as the strategy aggregates it; ``sent`` = this round's decoded
     global (as the client decoded it, bit for bit). Float32 arrays without a delta are that already (decoding and
-    encoding again gives their bytes back): only its .npy headers are read. Arrays other than the adapter's (by key
-    and the shape their bytes hold) raise ValueError naming them."""
+    encoding again gives their bytes back). Arrays other than the adapter's (by key and the shape their bytes hold),
+    of a dtype no encoding sends (torch cannot hold text or dates: its TypeError), or holding NaN or inf (which no
+    client's encode_state sends; FedAvg would average it in), raise ValueError naming them."""
     held = {}  # what each Array's bytes hold, which the strategy reads (np.load), not the shape and dtype it declares
     for k, a in record.items():
         try:
@@ -169,12 +170,18 @@ def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor])
     shapes = {k: shape for k, (shape, _) in held.items() if not k.endswith(SCALE_SUFFIX)}
     if odd := sorted(k for k in shapes.keys() | adapter.keys() if shapes.get(k) != adapter.get(k)):
         raise ValueError(f"its arrays are not the adapter's (other keys or shapes): {odd[:4]}")
+    if odd := {k: str(d) for k, (_, d) in held.items() if d not in (np.float32, np.float16, np.int8)}:
+        raise ValueError(f"its arrays are not float32, float16 or int8 (native byte order): {sorted(odd.items())[:4]}")
     delta = delta_encoded(plan)
     # in the global's key order: client-level DP's clipping takes the update position by position against it
     if not delta and all(d == np.float32 and not k.endswith(SCALE_SUFFIX) for k, (_, d) in held.items()):
-        return record if list(record) == list(sent) else ArrayRecord({k: record[k] for k in sent})
-    decoded = decode_state(record.to_torch_state_dict(), reference=sent if delta else None)
-    return ArrayRecord.from_torch_state_dict({k: decoded[k] for k in sent})
+        out = record if list(record) == list(sent) else ArrayRecord({k: record[k] for k in sent})
+    else:
+        decoded = decode_state(record.to_torch_state_dict(), reference=sent if delta else None)
+        out = ArrayRecord.from_torch_state_dict({k: decoded[k] for k in sent})
+    if odd := [k for k, a in out.items() if not np.isfinite(a.numpy()).all()]:
+        raise ValueError(f"its arrays hold NaN or inf: {odd[:4]}")
+    return out
 
 
 def npy_header(blob: bytes) -> tuple[tuple[int, ...], np.dtype]:

@@ -103,6 +103,7 @@ def run_server(
     node_names = recorder.nodes = identify_clients(
         grid, plan_path, declared, admission_timeout_s or round_timeout_s, sizes, start_over=ckpt is None
     )
+    privacy.check_run(plan, sizes)  # by the train sizes the clients reported (a deployed server has no partition)
     clients = sorted(node_names.values())
     late = t.new_client if spec.new_client == "post" else None
     if late is not None and late not in clients:

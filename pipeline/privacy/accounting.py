@@ -18,7 +18,8 @@ log = logging.getLogger("fedmeet.privacy")
 def bound(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> tuple[float, str]:
     """(epsilon, the accountant that gave it): (epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps
     (opacus' RDP or PRV accountant; inf without noise). PRV's numerics overflow at extreme settings (z 0.5, q 0.5,
-    1000 steps: inf, where RDP gives ~904): RDP's bound, as valid, is then the one reported, named and logged."""
+    1000 steps: inf, where RDP gives ~904) or it raises (a grid too large for memory at a tiny z, floating point at a
+    tiny delta): RDP's bound, as valid, is then the one reported, named and logged."""
     if steps <= 0:
         return 0.0, accountant
     if noise_multiplier <= 0:
@@ -27,7 +28,12 @@ def bound(noise_multiplier: float, q: float, steps: int, delta: float, accountan
 
     acc = create_accountant(mechanism=accountant)
     acc.history = [(float(noise_multiplier), float(q), int(steps))]
-    eps = float(acc.get_epsilon(delta=float(delta)))
+    try:
+        eps = float(acc.get_epsilon(delta=float(delta)))
+    except (MemoryError, ValueError):
+        if accountant != "prv":
+            raise
+        eps = math.inf
     if accountant == "prv" and not math.isfinite(eps):
         eps, accountant = bound(noise_multiplier, q, steps, delta, "rdp")
         log.warning(
@@ -123,8 +129,14 @@ def secure_sum_problem(secagg: SecAggConfig, clients: int, first: int, fraction_
             f"privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} clients x "
             f"train.fraction_train {fraction_train} samples {per_round}"
         )
-    if isinstance(t := secagg.reconstruction_threshold, int) and t > per_round:  # Flower's clients refuse the setup
-        return f"privacy.secagg.reconstruction_threshold {t} > the {per_round} clients of a round's sum: none unmasks"
+    said, t, shares = f"{secagg.reconstruction_threshold:g}", secagg.reconstruction_threshold, secagg.num_shares
+    if isinstance(t, float) and isinstance(shares, int) and shares > 2:  # Flower's threshold of a count of shares
+        t = max(round(t * shares), 2)
+        said += f" of num_shares {shares} = {t}"
+    if isinstance(t, int) and t > per_round:  # Flower's clients refuse the setup
+        return (
+            f"privacy.secagg.reconstruction_threshold {said} > the {per_round} clients of a round's sum: none unmasks"
+        )
     if clients * secagg.quantization_range >= SECAGG_MODULUS:  # the masked sum of the uploads wraps the modulus
         return (
             f"privacy.secagg.quantization_range {secagg.quantization_range} x {clients} clients >= 2**32: the masked "

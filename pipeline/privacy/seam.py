@@ -37,17 +37,20 @@ def local_steps(plan, module, examples, seed: int, client: str, micro_batches, p
     return DPSGDSteps(module, setting, seed, examples, micro_batches, proximal)
 
 
-def check_run(plan) -> None:
-    """Refuse, before anything trains, a delta of 1/n or more or an unreachable target epsilon."""
+def check_run(plan, sizes: dict[str, dict[str, int]] | None = None) -> None:
+    """Refuse, before anything trains, a delta of 1/n or more or an unreachable target epsilon; ``sizes``: the train
+    sizes the clients reported at admission (a deployed server holds no partition; client_level checks mode client)."""
     cfg = plan.privacy
-    if cfg is None or not cfg.enabled or not plan.spec.federated:
+    if cfg is None or not cfg.enabled or not plan.spec.federated or (sizes is not None and cfg.mode == "client"):
         return
-    clients = read_partition(plan.paths["partition"])["clients"]
+    if sizes is None:
+        sizes = {
+            c: {"num-train": len(s["train"])} for c, s in read_partition(plan.paths["partition"])["clients"].items()
+        }
     where, cap = plan.source or plan.experiment, plan.train.max_train_examples_per_client
     if cfg.mode == "client":
-        server_setting(plan, len(clients))
-    for name, splits in clients.items() if cfg.mode == "example" else {}:
-        n = len(splits["train"])
+        server_setting(plan, len(sizes))
+    for name, n in [(c, s["num-train"]) for c, s in sizes.items() if "num-train" in s] if cfg.mode == "example" else []:
         client_privacy(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
 
 

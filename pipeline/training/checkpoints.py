@@ -18,7 +18,7 @@ import torch
 
 from pipeline.common import atomic
 from pipeline.common.integrity import file_hash, read_record, sha256_dir
-from pipeline.common.schema import read_json
+from pipeline.common.schema import DataError, read_json
 from pipeline.experiments.plans import Plan
 from pipeline.modeling.adapters import adapter_file, save_adapter
 
@@ -101,16 +101,15 @@ def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any
 
 
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
-    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, an unreadable one or one of another identity
-    (the warning names the file and why)."""
+    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another identity (the warning
+    names which part differs); a file torch cannot read raises DataError naming it (a deployed server reads its own)."""
     if not path.exists():
         return None
     try:
         state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
-    except Exception as exc:  # noqa: BLE001 -- damaged: torch's zip reader, pickle and EOF errors name no file
-        why = " ".join(str(exc).split())[:120]
-        log.warning("%s: checkpoint unreadable (%s: %s); starting over", path, type(exc).__name__, why)
-        return None
+    except Exception as exc:  # noqa: BLE001 -- torch's UnpicklingError, RuntimeError (a cut zip), EOFError, ...
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+        raise DataError(f"{path}: unreadable round checkpoint ({why}); delete it to start the run over") from None
     for key, value in checkpoint_identity(plan).items():
         if state.get(key) != value:
             name = key.removesuffix("_hash")
@@ -124,7 +123,11 @@ def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
 def has_valid_checkpoint(plan: Plan) -> bool:
     """Whether the experiment's outputs belong to an unfinished run of this plan and code (then they are resumed)."""
     path = next((p for p in (server_checkpoint_path(plan), local_checkpoint_path(plan)) if p.exists()), None)
-    return path is not None and load_round_checkpoint(path, plan) is not None  # unreadable: None, with a warning
+    try:
+        return path is not None and load_round_checkpoint(path, plan) is not None
+    except DataError as err:  # unreadable: the in-process run starts over, saying why
+        log.warning("%s", str(err).replace("delete it to start the run over", "starting over"))
+        return False
 
 
 @dataclass

@@ -26,6 +26,7 @@ def _restore_dp_steps(context, steps: int | None) -> None:
 
 # The calls a run makes where privacy changes something (pipeline.privacy.seam documents each), as a run without it.
 NO_PRIVACY = SimpleNamespace(
+    check_run=lambda plan, sizes=None: _unprotected(plan),  # refuse a delta or target a client cannot meet
     local_steps=lambda plan, *args, **kwargs: _unprotected(plan),  # a client's DP-SGD steps (None: the plain ones)
     client_level=lambda plan, strategy, population: _unprotected(plan),  # the server's DP strategy, or None
     secure_aggregator=lambda plan, *args, **kwargs: _unprotected(plan),  # the SecAgg+ round runner, or None
