@@ -776,6 +776,44 @@ def test_a_hand_written_plan_is_refused_by_the_server_and_plain_messages_by_the_
     assert "uploads its adapter only through SecAgg+" in caplog.text  # the reason, in the client's log
 
 
+@pytest.mark.parametrize("weight, refused", [(10, False), (11, True)])
+def test_a_train_reply_heavier_than_the_servers_max_weight_is_the_clients_failure_not_a_clipped_upload(weight, refused):
+    """SecAgg+ scales each upload by weight / max_weight before quantising it (max_weight: from the train sizes the
+    clients reported at admission); above 1, Flower only logs a warning and its quantiser clips the scaled values, so
+    the unmasked mean would be wrong with no error. A client whose train reply weighs more (its data grew since
+    admission) fails the round instead; at max_weight it uploads as before."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.common import FitIns, ndarrays_to_parameters
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE
+    from flwr.compat.common import recorddict_compat as compat
+
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import ARRAYS_KEY, METRICS_KEY
+    from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
+    from pipeline.privacy.secure_aggregation import ARRAY_KEYS, legacy_fit
+
+    _set_server_identity(1)
+    upload = np.full((2, 3), 0.5, dtype=np.float32)
+    content = compat.fitins_to_recorddict(FitIns(ndarrays_to_parameters([upload]), {ARRAY_KEYS: '["w"]'}), True)
+    content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord({})
+    context = Context(run_id=1, node_id=1000, node_config={}, state=RecordDict(), run_config={})
+    context.state.config_records[RECORD_KEY_STATE] = ConfigRecord({"max_weight": 10.0, "clipping_range": 8.0})
+
+    def train(msg, _context):
+        reply = RecordDict({ARRAYS_KEY: ArrayRecord({"w": msg.content[ARRAYS_KEY]["w"]})})
+        reply[METRICS_KEY] = MetricRecord({NUM_EXAMPLES_KEY: weight})
+        return Message(reply, reply_to=msg)
+
+    msg = Message(content, dst_node_id=1000, message_type="train")
+    msg.metadata.__dict__["_message_id"] = "masked-vector"
+    if refused:
+        with pytest.raises(RuntimeError, match=r"^train reply: weight 11 is above SecAgg\+'s max_weight 10, sized by"):
+            legacy_fit(msg, context, train)
+    else:
+        fitres = compat.recorddict_to_fitres(legacy_fit(msg, context, train).content, keep_input=True)
+        assert fitres.num_examples == 10 and fitres.metrics["secagg-clipped"] == 0
+
+
 # ------------------------------------------------------------------------------------------ params and plans
 def test_secagg_group_validation():
     cfg = from_dict(

@@ -5,6 +5,7 @@ identifies itself and reports its split sizes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -67,6 +68,26 @@ def test_a_kit_for_a_client_of_the_plan_its_partition_lacks_is_one_line_naming_i
         assert not (tmp_path / "x").exists()
     finally:
         path.write_text(original)
+
+
+def test_a_kit_whose_pos_tag_file_is_damaged_is_one_line_naming_it_and_no_partial_kit(ws, tmp_path):
+    """Hard KD's site kit carries the client's rows of the POS tags: a file cut short was pyarrow's traceback."""
+    from pipeline.common.schema import DataError
+    from pipeline.federation.cli import write_kit
+    from pipeline.paths import PATHS
+
+    plan = write_plan("kit-postags", "hardkd", rounds=1)
+    original = PATHS.postags.read_bytes()  # the workspace is shared by this module's tests: restored after
+    PATHS.postags.write_bytes(original[:100])
+    try:
+        with pytest.raises(DataError, match=rf"^{re.escape(str(PATHS.postags))}: not a readable POS-tag file"):
+            write_kit(plan, tmp_path / "x", "Product")
+        assert not (tmp_path / "x").exists()
+    finally:
+        PATHS.postags.write_bytes(original)
+    write_kit(plan, tmp_path / "y", "Product")  # the intact file: the client's rows
+    own = set(pd.read_parquet(tmp_path / "y" / PATHS.examples)["example_id"])
+    assert set(pd.read_parquet(tmp_path / "y" / PATHS.postags)["example_id"]) == own
 
 
 def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path, monkeypatch):

@@ -13,11 +13,12 @@ import signal
 import sys
 import tomllib
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 
 from pipeline.common import atomic, cli
 from pipeline.common.config import ConfigError
-from pipeline.common.schema import DataError
+from pipeline.common.schema import DataError, read_parquet
 from pipeline.experiments.plans import read_plan
 from pipeline.federation.localhost import (
     LocalhostConfig,
@@ -49,9 +50,10 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
     """Copy what the server (``client`` None; its run config from the ``params`` file) or ``client``'s site holds
     (docs/federation.md) into ``out``, laid out as the project root; returns the paths written (relative to ``out``).
     The plan keeps its relative path, so the same run config works on every role."""
-    import pandas as pd  # lazy: importing pandas takes ~0.3 s; `status` starts without it
-
-    from pipeline.training.client_data import read_examples, read_partition  # lazy, as above: it imports pandas
+    from pipeline.training.client_data import (
+        read_examples,
+        read_partition,
+    )  # lazy: pandas (~0.3 s); `status` starts without
 
     if Path(plan_path).is_absolute() or ".." in Path(plan_path).parts:  # laid out under ``out`` at its own path
         raise ConfigError(f"--plan {plan_path}: give the plan's path relative to the project root, inside it")
@@ -76,7 +78,9 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
         # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
         part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
         readers = {Path(plan.paths["examples"]): read_examples} | (
-            {Path(plan.paths["postags"]): pd.read_parquet} if "postags" in plan.paths else {}
+            {Path(plan.paths["postags"]): partial(read_parquet, what="POS-tag file (stage `postag`)")}
+            if "postags" in plan.paths
+            else {}
         )
         for path, read in readers.items():  # this client's rows of the examples and the POS tags
             own[path] = (frame := read(path))[frame["example_id"].astype(str).isin(ids)]

@@ -102,6 +102,11 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
     # The setup stage stored the server's settings in the mod's state.
     sa = context.state.config_records[RECORD_KEY_STATE]
     weight = int(metrics[NUM_EXAMPLES_KEY])
+    if weight > float(sa["max_weight"]):  # Flower only warns; its quantiser would clip the scaled update: a wrong mean
+        raise RuntimeError(
+            f"train reply: weight {weight} is above SecAgg+'s max_weight {sa['max_weight']:g}, sized by "
+            "the train sizes the clients reported at admission"
+        )
     if CLIPPED_KEY in metrics:
         # client-level DP (client_dp_mod clipped the update): weight 1, and the clipped bit goes into the sum as
         # bit x c / 2 instead of the clear metrics (Flower's adaptive mod's norm bit is the same bit)
