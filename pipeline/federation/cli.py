@@ -50,10 +50,8 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
     """Copy what the server (``client`` None; its run config from the ``params`` file) or ``client``'s site holds
     (docs/federation.md) into ``out``, laid out as the project root; returns the paths written (relative to ``out``).
     The plan keeps its relative path, so the same run config works on every role."""
-    from pipeline.training.client_data import (
-        read_examples,
-        read_partition,
-    )  # lazy: pandas (~0.3 s); `status` starts without
+    # lazy: it imports pandas (~0.3 s); `status` starts without it
+    from pipeline.training.client_data import read_examples, read_partition
 
     if Path(plan_path).is_absolute() or ".." in Path(plan_path).parts:  # laid out under ``out`` at its own path
         raise ConfigError(f"--plan {plan_path}: give the plan's path relative to the project root, inside it")
