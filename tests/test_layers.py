@@ -304,7 +304,9 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # accounting that raises falls back to RDP; a deployed server checks delta against the sizes its clients report; a
 # misspelt params group and an empty model.cache_dir refused; a SecAgg+ upload heavier than max_weight refused by
 # its client (Flower only warns and clips). -4 from one parquet reader where two were.
-PACKAGE_LINE_CEILING = 14_863
+# h32-F: +7 for PRV's target search that raises (MemoryError, a tiny delta's ValueError) falling back to RDP's;
+# +4 for admission refusing a declared client that answers without its num-train / num-valid.
+PACKAGE_LINE_CEILING = 14_874
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

@@ -119,6 +119,30 @@ def test_prv_raising_at_extreme_settings_reports_rdps_bound_and_names_it(caplog,
     assert any("PRV" in r.message and "RDP" in r.message and f"{delta:g}" in r.message for r in caplog.records)
 
 
+@pytest.mark.parametrize("delta, fault", [(1e-30, None), (1e-5, MemoryError("std::bad_alloc"))])
+def test_prv_target_search_that_raises_uses_rdps_search_and_names_it(monkeypatch, caplog, delta, fault):
+    """opacus' PRV noise search raises where bound() falls back to RDP: ValueError "Floating point errors will
+    dominate" at a tiny delta (reported as a target epsilon that "cannot be met"), MemoryError at a tiny z (a
+    traceback; a genuine one, target 1e3 at q 0.01, takes ~40 s and GBs, so opacus' PRV is made to raise it here).
+    The search is then RDP's (opacus' own, called directly), named and logged once."""
+    from opacus.accountants import PRVAccountant
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from pipeline.privacy.accounting import noise_for_target
+
+    noise_for_target.cache_clear()
+    if fault is not None:
+        monkeypatch.setattr(PRVAccountant, "get_epsilon", lambda self, **kw: (_ for _ in ()).throw(fault))
+    search = {"target_epsilon": 2.5, "target_delta": delta, "sample_rate": 0.5, "steps": 6, "epsilon_tolerance": 0.01}
+    expected = get_noise_multiplier(**search, accountant="rdp")
+    cfg = PrivacyConfig(mode="example", target_epsilon=2.5, delta=delta, accountant="prv")
+    with caplog.at_level("WARNING"):
+        assert client_privacy(in_plan(cfg), n_examples=16).noise_multiplier == expected
+    assert (
+        len([r for r in caplog.records if "PRV" in r.message and "RDP" in r.message and f"{delta:g}" in r.message]) == 1
+    )
+
+
 def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
     assert bound(1.0, 0.5, 0, 1e-3)[0] == 0.0
     assert bound(1.0, 0.5, 3, 1e-3)[0] < bound(1.0, 0.5, 6, 1e-3)[0]

@@ -61,7 +61,8 @@ class Script:
     more_metrics: dict = field(default_factory=dict)  # (client, round) -> metrics added to its train reply
     more_records: dict = field(default_factory=dict)  # (client, round) -> records added to its train reply
     privacy: bool = False
-    counts: dict = field(default_factory=dict)  # client -> the num-train / num-valid its identify reply reports
+    # client -> the num-train / num-valid its identify reply reports (else its partition's, as client_identify's)
+    counts: dict = field(default_factory=dict)
     dp_clipped: dict = field(default_factory=dict)  # client -> the client-side clipping mod's "clipped" bit
     calls: list = field(default_factory=list)  # (kind, client, round, received state or None)
     configs: list = field(default_factory=list)  # (client, round, the train message's config)
@@ -78,6 +79,7 @@ def scripted_app(script: Script):
     from flwr.clientapp import ClientApp
 
     from pipeline.federation.protocol import decode_global, encode_reply, load_plan, plan_path_of
+    from pipeline.training.client_data import read_partition
 
     app = ClientApp()
 
@@ -90,9 +92,12 @@ def scripted_app(script: Script):
     def identify(msg, context):
         if context.node_config["client-name"] is None:
             raise RuntimeError("no client name configured\n(a second line)")
-        own = load_plan(plan_path_of(msg, context)).hash  # the plan the node serves, as the ClientApp's
-        identity = ConfigRecord({"client-name": context.node_config["client-name"], "plan-hash": own})
-        identity.update(script.counts.get(context.node_config["client-name"], {}))
+        plan, name = load_plan(plan_path_of(msg, context)), context.node_config["client-name"]
+        identity = ConfigRecord({"client-name": name, "plan-hash": plan.hash})  # as the ClientApp's
+        if name in script.counts:
+            identity.update(script.counts[name])
+        elif splits := read_partition(plan.paths["partition"])["clients"].get(name):
+            identity.update({"num-train": len(splits["train"]), "num-valid": len(splits["valid"])})
         return Message(RecordDict({"identity": identity}), reply_to=msg)
 
     @app.train()
@@ -1017,6 +1022,21 @@ def test_a_delta_a_client_cannot_meet_by_its_reported_train_size_is_refused_befo
     script = Script(privacy=True, counts={"Academic": {"num-train": 50, "num-valid": 2}})
     _, history, _ = run(_client_dp(write_plan("loop-delta-ok", "fedavg", rounds=1), "example", delta=0.01), script)
     assert [r["round"] for r in history] == [1, 1, 1]  # 0.01 < 1/50: the run goes on
+
+
+@pytest.mark.parametrize("counts, lacks", [({}, "num-train and num-valid"), ({"num-train": 5}, "num-valid")])
+def test_a_declared_client_answering_admission_without_its_counts_is_refused_before_any_round(ws, counts, lacks):
+    """A declared client whose own site's partition lacks it answers query.identify without num-train / num-valid
+    (client_identify); it was admitted, failed every round's training and the run failed only after its last round.
+    Admission refuses it, as a client without valid examples, naming the client and the counts it lacks."""
+    from pipeline.federation.admission import AdmissionError
+
+    path = write_plan("loop-no-counts", "fedavg", rounds=2, fraction_train=1.0)
+    script = Script(counts={"Committee": counts}, fail={("Committee", 1), ("Committee", 2)})  # as its real train
+    with pytest.raises(AdmissionError) as err:
+        run(path, script)
+    names(err.value, "client 'Committee'", lacks, "refused")
+    assert not [call for call in script.calls if call[0] == "train"]
 
 
 # ----------------------------------------------------------------------------------------------- nodes
@@ -2282,7 +2302,7 @@ def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_p
 
     plan_src = write_plan("srv-nodata", "fedavg", rounds=2, fraction_train=1.0)
     clients = ["Academic", "Committee", "Product"]
-    script = Script()
+    script = Script(counts={c: {"num-train": WEIGHTS[c], "num-valid": 2} for c in clients})  # no partition here
     server = tmp_path / "server"
     (server / "models/plans").mkdir(parents=True)
     shutil.copy(plan_src, server / plan_src)

@@ -41,6 +41,10 @@ def identify_clients(
                 grid, plan_path, names, new, expected, timeout, sizes, True, start_over, refused
             )
         if not (missing := [c for c in expected if c not in names.values()]):
+            for c in expected if sizes is not None else []:
+                if lacks := [k for k in ("num-train", "num-valid") if k not in sizes.get(c, {})]:
+                    why = f"answered without {' and '.join(lacks)} (its site's partition lacks it: it cannot train)"
+                    raise AdmissionError(f"{plan_path}: client {c!r} {why}; refused")
             if empty := [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]:
                 raise AdmissionError(
                     f"{plan_path}: client {empty[0]!r} has no valid examples (no best round, no score); refused"

@@ -45,11 +45,18 @@ def bound(noise_multiplier: float, q: float, steps: int, delta: float, accountan
 
 @lru_cache(maxsize=64)
 def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, accountant: str) -> float:
-    """The smallest z whose epsilon after ``steps`` is at most the target (opacus' search, to 0.01)."""
+    """The smallest z whose epsilon after ``steps`` is at most the target (opacus' search, to 0.01); where PRV raises
+    (as in :func:`bound`), RDP's z, as valid (and larger), named and logged."""
     from opacus.accountants.utils import get_noise_multiplier  # lazy, as above
 
     search = {"target_epsilon": target_epsilon, "target_delta": delta, "sample_rate": q, "steps": steps}
-    return float(get_noise_multiplier(**search, accountant=accountant, epsilon_tolerance=0.01))
+    try:
+        return float(get_noise_multiplier(**search, accountant=accountant, epsilon_tolerance=0.01))
+    except (MemoryError, ValueError) as exc:
+        if accountant != "prv" or "budget is too low" in str(exc):
+            raise
+        log.warning(f"PRV could not search z for epsilon {target_epsilon:g} at delta={delta:g} ({exc}): RDP's is used")
+    return noise_for_target(target_epsilon, delta, q, steps, "rdp")
 
 
 def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, what: str) -> float:
