@@ -102,17 +102,17 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
     # The setup stage stored the server's settings in the mod's state.
     sa = context.state.config_records[RECORD_KEY_STATE]
     weight = int(metrics[NUM_EXAMPLES_KEY])
-    if weight > float(sa["max_weight"]):  # Flower only warns; its quantiser would clip the scaled update: a wrong mean
-        raise RuntimeError(
-            f"train reply: weight {weight} is above SecAgg+'s max_weight {sa['max_weight']:g}, sized by "
-            "the train sizes the clients reported at admission"
-        )
     if CLIPPED_KEY in metrics:
         # client-level DP (client_dp_mod clipped the update): weight 1, and the clipped bit goes into the sum as
         # bit x c / 2 instead of the clear metrics (Flower's adaptive mod's norm bit is the same bit)
         weight = 1
         metrics.pop(KEY_NORM_BIT, None)
         upload.append(np.array([int(metrics.pop(CLIPPED_KEY)) * (float(sa["clipping_range"]) / 2)], dtype=np.float32))
+    if weight > float(sa["max_weight"]):  # Flower only warns; its quantiser would clip the scaled update: a wrong mean
+        raise RuntimeError(
+            f"train reply: weight {weight} is above SecAgg+'s max_weight {sa['max_weight']:g}, sized by "
+            "the train sizes the clients reported at admission"
+        )
     # What the quantiser will clip: a clipped coordinate breaks the error bound, so the server is told how many,
     # never which.
     ratio = weight / float(sa["max_weight"])
