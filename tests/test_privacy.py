@@ -119,7 +119,39 @@ def test_prv_raising_at_extreme_settings_reports_rdps_bound_and_names_it(caplog,
     assert any("PRV" in r.message and "RDP" in r.message and f"{delta:g}" in r.message for r in caplog.records)
 
 
-@pytest.mark.parametrize("delta, fault", [(1e-30, None), (1e-5, MemoryError("std::bad_alloc"))])
+DISCRETE_MEAN = RuntimeError("Discrete mean differs significantly from continuous mean.")  # opacus' PRV, q 1
+
+
+def test_prv_discretisation_error_reports_rdps_bound(monkeypatch, caplog):
+    """opacus' PRV raises RuntimeError "Discrete mean differs significantly" at q = 1 with a huge target epsilon
+    (a genuine case runs for minutes, so PRV is made to raise it): bound() caught MemoryError and ValueError only, so
+    it ended the run in a traceback. RDP's bound (opacus' RDPAccountant called directly) is reported, named."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    bound.cache_clear()
+    monkeypatch.setattr(PRVAccountant, "get_epsilon", lambda self, **kw: (_ for _ in ()).throw(DISCRETE_MEAN))
+    (rdp := RDPAccountant()).history = [(0.9, 1.0, 7)]
+    with caplog.at_level("WARNING"):
+        assert bound(0.9, 1.0, 7, 1e-5, "prv") == (pytest.approx(rdp.get_epsilon(delta=1e-5), rel=1e-12), "rdp")
+    assert any("PRV" in r.message and "RDP" in r.message for r in caplog.records)
+
+
+def test_prv_budget_too_low_stays_a_config_error_not_rdps_search(monkeypatch):
+    """Under PRV, opacus' "The privacy budget is too low." is the user's target, not PRV's numerics: it stays the
+    one-line ConfigError naming the target, and RDP's search is not run in its place (PRV's epsilon is made huge at
+    every z here; a genuine case takes over 100 s)."""
+    from opacus.accountants import PRVAccountant
+
+    from pipeline.privacy.accounting import noise_for_target
+
+    noise_for_target.cache_clear()
+    monkeypatch.setattr(PRVAccountant, "get_epsilon", lambda self, **kw: 1e9)
+    cfg = PrivacyConfig(mode="example", target_epsilon=2.5, delta=1e-5, accountant="prv")
+    with pytest.raises(ConfigError, match=r"target_epsilon 2.5 cannot be met .*budget is too low"):
+        client_privacy(in_plan(cfg), n_examples=16)
+
+
+@pytest.mark.parametrize("delta, fault", [(1e-30, None), (1e-5, MemoryError("std::bad_alloc")), (1e-5, DISCRETE_MEAN)])
 def test_prv_target_search_that_raises_uses_rdps_search_and_names_it(monkeypatch, caplog, delta, fault):
     """opacus' PRV noise search raises where bound() falls back to RDP: ValueError "Floating point errors will
     dominate" at a tiny delta (reported as a target epsilon that "cannot be met"), MemoryError at a tiny z (a

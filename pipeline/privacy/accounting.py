@@ -19,7 +19,8 @@ def bound(noise_multiplier: float, q: float, steps: int, delta: float, accountan
     """(epsilon, the accountant that gave it): (epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps
     (opacus' RDP or PRV accountant; inf without noise). PRV's numerics overflow at extreme settings (z 0.5, q 0.5,
     1000 steps: inf, where RDP gives ~904) or it raises (a grid too large for memory at a tiny z, floating point at a
-    tiny delta): RDP's bound, as valid, is then the one reported, named and logged."""
+    tiny delta, a discretisation off its mean at q 1): RDP's bound, as valid, is then the one reported, named and
+    logged."""
     if steps <= 0:
         return 0.0, accountant
     if noise_multiplier <= 0:
@@ -30,7 +31,7 @@ def bound(noise_multiplier: float, q: float, steps: int, delta: float, accountan
     acc.history = [(float(noise_multiplier), float(q), int(steps))]
     try:
         eps = float(acc.get_epsilon(delta=float(delta)))
-    except (MemoryError, ValueError):
+    except (MemoryError, ValueError, RuntimeError):
         if accountant != "prv":
             raise
         eps = math.inf
@@ -52,7 +53,7 @@ def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, 
     search = {"target_epsilon": target_epsilon, "target_delta": delta, "sample_rate": q, "steps": steps}
     try:
         return float(get_noise_multiplier(**search, accountant=accountant, epsilon_tolerance=0.01))
-    except (MemoryError, ValueError) as exc:
+    except (MemoryError, ValueError, RuntimeError) as exc:
         if accountant != "prv" or "budget is too low" in str(exc):
             raise
         log.warning(f"PRV could not search z for epsilon {target_epsilon:g} at delta={delta:g} ({exc}): RDP's is used")
