@@ -100,16 +100,20 @@ def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any
         torch.save({**checkpoint_identity(plan), "round": rnd, **state}, tmp)
 
 
-def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
+def load_round_checkpoint(path: Path, plan: Plan, start_over: bool = False) -> dict[str, Any] | None:
     """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another identity (the warning
-    names which part differs); a file torch cannot read raises DataError naming it (a deployed server reads its own)."""
+    names which part differs); a file torch cannot read raises DataError naming it (a deployed server reads its own),
+    or with ``start_over`` (the in-process run) is None, with the warning naming it."""
     if not path.exists():
         return None
     try:
         state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
     except Exception as exc:  # noqa: BLE001 -- torch's UnpicklingError, RuntimeError (a cut zip), EOFError, ...
-        why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
-        raise DataError(f"{path}: unreadable round checkpoint ({why}); delete it to start the run over") from None
+        why = f"unreadable round checkpoint ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+        if not start_over:
+            raise DataError(f"{path}: {why}; delete it to start the run over") from None
+        log.warning("%s: %s; starting over", path, why)
+        return None
     for key, value in checkpoint_identity(plan).items():
         if state.get(key) != value:
             name = key.removesuffix("_hash")
@@ -123,11 +127,7 @@ def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
 def has_valid_checkpoint(plan: Plan) -> bool:
     """Whether the experiment's outputs belong to an unfinished run of this plan and code (then they are resumed)."""
     path = next((p for p in (server_checkpoint_path(plan), local_checkpoint_path(plan)) if p.exists()), None)
-    try:
-        return path is not None and load_round_checkpoint(path, plan) is not None
-    except DataError as err:  # unreadable: the in-process run starts over, saying why
-        log.warning("%s", str(err).replace("delete it to start the run over", "starting over"))
-        return False
+    return path is not None and load_round_checkpoint(path, plan, start_over=True) is not None
 
 
 @dataclass
@@ -139,14 +139,16 @@ class ClientCheckpoint:
     adapter: Path
 
 
-def _client_checkpoint_rounds(ckpt: Path) -> list[int]:
-    stems = (p.stem[len("round") :] for p in ckpt.glob("round*.safetensors"))
-    return sorted(int(s) for s in stems if s.isdigit())  # ours only: a "round002-old" copy is no checkpoint
+def round_files(folder: Path, suffix: str) -> dict[int, Path]:
+    """The ``round<N><suffix>`` files in ``folder`` by round N: ours only (a "round002-old" copy is none)."""
+    named = ((p.stem[len("round") :], p) for p in folder.glob(f"round*{suffix}"))
+    return {int(n): p for n, p in named if n.isdigit()}
 
 
 def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None:
     """The client's latest complete checkpoint (its adapter and progress) of a round before ``before``, or None."""
-    done = [r for r in _client_checkpoint_rounds(ckpt) if r < before and (ckpt / f"round{r:03d}.json").exists()]
+    rounds = sorted(round_files(ckpt, ".safetensors"))
+    done = [r for r in rounds if r < before and (ckpt / f"round{r:03d}.json").exists()]
     if not done:
         return None
     progress = read_json(ckpt / f"round{done[-1]:03d}.json", "client round checkpoint")
@@ -164,7 +166,7 @@ def write_client_checkpoint(
     atomic.link(adapter, ckpt / f"round{rnd:03d}.safetensors")
     steps = {DP_STEPS: dp_steps} if dp_steps is not None else {}
     atomic.write_text(ckpt / f"round{rnd:03d}.json", json.dumps({**progress, TRAINED_FLAG: int(trained), **steps}))
-    for old in _client_checkpoint_rounds(ckpt):
+    for old in round_files(ckpt, ".safetensors"):
         if old < rnd - 1 or old > rnd:
             (ckpt / f"round{old:03d}.safetensors").unlink(missing_ok=True)
             (ckpt / f"round{old:03d}.json").unlink(missing_ok=True)

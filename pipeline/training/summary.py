@@ -13,6 +13,7 @@ from pipeline.common.integrity import backbone_name
 from pipeline.common.schema import read_parquet
 from pipeline.common.timing import peak_rss_mb
 from pipeline.experiments.plans import Plan
+from pipeline.training.checkpoints import round_files
 from pipeline.training.client_training import empty_gate_log
 from pipeline.training.history import write_rounds
 from pipeline.training.privacy_hooks import PRIVACY as privacy
@@ -41,11 +42,9 @@ def merge_gate_logs(plan: Plan) -> None:
     """Concatenate the clients' per-round gate logs (rounds 1..R) into models/<exp>/gate_log.parquet (the parts
     stay until the run's checkpoint is gone: pipeline.train.run_experiment)."""
     out_dir = Path(plan.paths["out_dir"])
-    parts = [
-        read_parquet(f, "gate log part")
-        for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet"))
-        if f.stem[len("round") :].isdigit() and int(f.stem[len("round") :]) <= plan.train.rounds  # a copy is no part
-    ]
+    logs = out_dir.glob("clients/*/gate_log")
+    files = sorted(f for d in logs for r, f in round_files(d, ".parquet").items() if r <= plan.train.rounds)
+    parts = [read_parquet(f, "gate log part") for f in files]
     path = out_dir / "gate_log.parquet"
     atomic.to_parquet(pd.concat(parts, ignore_index=True) if parts else empty_gate_log(), path, index=False)
 
