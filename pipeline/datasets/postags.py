@@ -7,10 +7,18 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from pipeline.common.schema import DataError
 
 POSTAG_COLUMNS = ["example_id", "position", "token_id", "word_index", "word", "pos", "is_noun_or_verb"]
+# The columns hard KD reads, typed as stage `postag` writes them, never null (word_index, word, pos are off words)
+MASK_FIELDS = [
+    pa.field("example_id", pa.string()),
+    pa.field("position", pa.int32()),
+    pa.field("token_id", pa.int64()),
+    pa.field("is_noun_or_verb", pa.bool_()),
+]
 
 
 class NounVerbMasks:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, PositiveInt, config
 from pipeline.common.schema import DataError, read_parquet
-from pipeline.datasets.postags import POSTAG_COLUMNS
+from pipeline.datasets.postags import MASK_FIELDS, POSTAG_COLUMNS
 from pipeline.modeling.batching import target_labels
 
 UNIVERSAL_TAGS = tuple("ADJ ADP ADV AUX CCONJ DET INTJ NOUN NUM PART PRON PROPN PUNCT SCONJ SYM VERB X SPACE".split())
@@ -130,9 +130,8 @@ def tag_targets(
         for pos_i, (tok_id, w) in enumerate(zip(label_ids, word_index)):
             tag = None if w is None else tags[w]
             rows.append((example_ids[k], pos_i, int(tok_id), w, None if w is None else words[w], tag, tag in nv))
-    return pd.DataFrame(rows, columns=POSTAG_COLUMNS).astype(
-        {"position": "int32", "token_id": "int64", "word_index": "Int32", "is_noun_or_verb": bool}
-    )
+    types = {f.name: f.type.to_pandas_dtype() for f in MASK_FIELDS if f.type != pa.string()}  # strings are str
+    return pd.DataFrame(rows, columns=POSTAG_COLUMNS).astype(types | {"word_index": "Int32"})
 
 
 def write_target_tags(

@@ -12,12 +12,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import torch
 import transformers
 
 from pipeline.common.schema import read_parquet
-from pipeline.datasets.postags import NounVerbMasks
+from pipeline.datasets.postags import MASK_FIELDS, NounVerbMasks
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.train_config import LossSettings, TrainConfig
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
@@ -49,9 +48,7 @@ def kd_config(plan: Plan) -> KDConfig:
 def _noun_verb_masks(path: str, mtime: float) -> NounVerbMasks:
     """Hard KD's masks of the target nouns and verbs (stage `postag`), read once per process and file version: the
     columns the masks read, as the stage writes them (a null noun flag is refused, not read as False)."""
-    types = {"example_id": pa.string(), "position": pa.int32(), "token_id": pa.int64(), "is_noun_or_verb": pa.bool_()}
-    columns = [pa.field(name, t) for name, t in types.items()]
-    return NounVerbMasks(read_parquet(Path(path), "POS-tag file (stage `postag`)", columns), path)
+    return NounVerbMasks(read_parquet(Path(path), "POS-tag file (stage `postag`)", MASK_FIELDS), path)
 
 
 # A frame's batches made in this process, by what shapes them (kept with the frame and the tokenizer, so their ids
