@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -19,10 +19,10 @@ RETURNED = ROOT / "reports" / "bench" / "gpu-profile"
 
 
 def _stamp(text: str) -> float:
-    return datetime.strptime(text, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    return datetime.strptime(text, "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp()
 
 
-def test_read_smi_parses_samples_and_skips_cut_lines(tmp_path):
+def test_read_smi_parses_samples_and_skips_cut_lines(tmp_path, zone):
     csv = tmp_path / "smi.csv"
     csv.write_text(
         "2026/11/26 08:45:00.000, 10, 100\n"
@@ -43,7 +43,7 @@ def _section(md: Path, number: int) -> str:
 
 
 @pytest.mark.parametrize("number, returned", [(1, "gpu-profile"), (3, "gpu-profile-batched")])
-def test_committed_report_is_the_one_generated_from_the_returned_files(number, returned):
+def test_committed_report_is_the_one_generated_from_the_returned_files(number, returned, zone):
     src = ROOT / "reports" / "bench" / returned
     data = json.loads((src / "profile.json").read_text())
     spy = gpu_profile.pyspy_top(src / "pyspy-round.txt")
@@ -61,7 +61,7 @@ def test_committed_cpu_engine_section_is_the_one_generated_from_engine_json():
     assert _section(ROOT / "reports" / "bench" / "engine.md", 2).strip() == engine.markdown(record).strip()
 
 
-def test_committed_engine_section_is_the_one_generated_from_the_returned_files():
+def test_committed_engine_section_is_the_one_generated_from_the_returned_files(zone):
     from benchmarks import gpu_engine
 
     src = ROOT / "reports" / "bench" / "gpu-engine"
