@@ -306,6 +306,8 @@ def measure(
 
     # the most telling steps first: a run cut by its budget keeps them
     for name in ("round_fill_cache", "round"):
+        if gpu:  # each round's own peak: max_memory_allocated is the process's since the last reset
+            torch.cuda.reset_peak_memory_stats()
         t = time.time()
         with _pyspy(out / "pyspy-round.txt") if name == "round" else contextlib.nullcontext():
             run_set([plan], track=False)

@@ -220,3 +220,47 @@ def test_device_busy_time_counts_each_kernel_once():
         row(7150.0, DeviceType.CUDA, annotation=True),  # Optimizer.step#AdamW.step
     ]
     assert gpu_profile.device_busy_seconds(events) == pytest.approx(0.0099)
+
+
+def test_each_profiled_round_records_its_own_peak_gpu_memory(tmp_path, monkeypatch):
+    """On a GPU, ``torch.cuda.max_memory_allocated`` is the process's peak since its last reset: nothing reset it
+    between the cache-filling round and the timed one, so the timed round's peak_memory_gib was the larger of the two.
+    Here CUDA's memory counters are stood in for (the fill round peaking at 5 GiB, the timed one at 2 GiB) and the
+    workspace and rounds faked: each round's record is its own peak."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import benchmarks.common
+    import pipeline.experiments.plans
+    import pipeline.train
+    from benchmarks import engine
+
+    peaks, seen = iter([5 * 2**30, 2 * 2**30]), {"peak": 0}
+    monkeypatch.setattr(
+        pipeline.train, "run_set", lambda plans, track: seen.update(peak=max(seen["peak"], next(peaks)))
+    )
+    for name, fake in {
+        "is_available": lambda: True,
+        "get_device_name": lambda *a: "NVIDIA stand-in",
+        "synchronize": lambda *a: None,
+        "reset_peak_memory_stats": lambda *a: seen.update(peak=0),
+        "max_memory_allocated": lambda *a: seen["peak"],
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    monkeypatch.setattr(gpu_profile, "mm_rates", lambda: {})
+    monkeypatch.setattr(engine, "build_workspace", lambda work, params, **kw: {"train": {}})
+    monkeypatch.setattr(engine, "write_plans", lambda *a, **kw: [tmp_path / "plan.json"])
+    monkeypatch.setattr(engine, "round_flops", lambda *a: 0.0)
+    monkeypatch.setattr(pipeline.experiments.plans, "read_plan", lambda path: SimpleNamespace(model_config=None))
+    monkeypatch.setattr(benchmarks.common, "default_shape", lambda *a: None)
+    monkeypatch.delenv("FEDMEET_PYSPY", raising=False)
+    monkeypatch.setenv("PATH", "")  # no py-spy
+    monkeypatch.setenv("FEDMEET_ROOT", os.environ.get("FEDMEET_ROOT", ""))  # measure sets it: undone after
+    monkeypatch.chdir(tmp_path)  # measure changes into its workspace: undone after
+
+    steps = gpu_profile.measure(tmp_path, tmp_path / "out", tmp_path / "work", train_only=True)["steps"]
+    assert {n: steps[n]["peak_memory_gib"] for n in ("round_fill_cache", "round")} == {
+        "round_fill_cache": 5.0,
+        "round": 2.0,
+    }
