@@ -227,14 +227,14 @@ def test_each_profiled_round_records_its_own_peak_gpu_memory(tmp_path, monkeypat
     between the cache-filling round and the timed one, so the timed round's peak_memory_gib was the larger of the two.
     Here CUDA's memory counters are stood in for (the fill round peaking at 5 GiB, the timed one at 2 GiB) and the
     workspace and rounds faked: each round's record is its own peak."""
-    from types import SimpleNamespace
+    from types import SimpleNamespace  # lazy: this test's only
 
-    import torch
+    import torch  # lazy: as the other tests here, torch only where a test needs it
 
-    import benchmarks.common
-    import pipeline.experiments.plans
-    import pipeline.train
-    from benchmarks import engine
+    import benchmarks.common  # lazy: the modules measure imports lazily, patched before it runs
+    import pipeline.experiments.plans  # lazy: as above
+    import pipeline.train  # lazy: as above
+    from benchmarks import engine  # lazy: as above
 
     peaks, seen = iter([5 * 2**30, 2 * 2**30]), {"peak": 0}
     monkeypatch.setattr(
