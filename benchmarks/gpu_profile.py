@@ -42,7 +42,7 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +306,8 @@ def measure(
 
     # the most telling steps first: a run cut by its budget keeps them
     for name in ("round_fill_cache", "round"):
+        if gpu:  # each round's own peak: max_memory_allocated is the process's since the last reset
+            torch.cuda.reset_peak_memory_stats()
         t = time.time()
         with _pyspy(out / "pyspy-round.txt") if name == "round" else contextlib.nullcontext():
             run_set([plan], track=False)
@@ -355,12 +357,13 @@ def smi_during(samples: list[tuple[float, float, float]], start: float, end: flo
 
 def read_smi(path: Path) -> list[tuple[float, float, float]]:
     """``nvidia-smi --format=csv`` lines: (unix time, utilisation %, memory MiB); a header and units (``--format=csv``
-    without ``noheader,nounits``, as the GPU study's sampler writes) are skipped."""
+    without ``noheader,nounits``, as the GPU study's sampler writes) are skipped. The stamps are the lent machine's
+    clock, UTC (its steps' unix ``started_at`` fall in their samples), read as UTC whatever this machine's zone."""
     samples = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         parts = [p.strip() for p in line.split(",")]
         try:
-            stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp()
             samples.append((stamp, float(parts[1].split()[0]), float(parts[2].split()[0])))
         except (ValueError, IndexError):
             continue  # a line cut by the sampler's end

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,14 @@ def server_identity() -> int:
 
     _set_server_identity(1)
     return 1
+
+
+@pytest.fixture(params=["UTC", "Pacific/Kiritimati"])
+def zone(request, monkeypatch):
+    """The importing machine's time zone, UTC and UTC+14 (another date for most of a day): a lent machine's returned
+    files give the same reports in any (its nvidia-smi stamps are its own clock, UTC)."""
+    monkeypatch.setenv("TZ", request.param)
+    time.tzset()
+    yield request.param
+    monkeypatch.undo()
+    time.tzset()

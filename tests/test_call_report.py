@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("number, kept", [(5, "gpu-study-call"), (6, "gpu-study-call-2026-11-28b")])
-def test_committed_section_is_the_one_generated_from_the_returned_files(number, kept):
+def test_committed_section_is_the_one_generated_from_the_returned_files(number, kept, zone):
     text = (ROOT / "reports" / "bench" / "engine.md").read_text()
     committed = f"## {number}." + text.partition(f"## {number}.")[2].partition(f"\n## {number + 1}.")[0]
     folder = ROOT / "reports" / "bench" / kept

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -19,10 +19,10 @@ RETURNED = ROOT / "reports" / "bench" / "gpu-profile"
 
 
 def _stamp(text: str) -> float:
-    return datetime.strptime(text, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    return datetime.strptime(text, "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp()
 
 
-def test_read_smi_parses_samples_and_skips_cut_lines(tmp_path):
+def test_read_smi_parses_samples_and_skips_cut_lines(tmp_path, zone):
     csv = tmp_path / "smi.csv"
     csv.write_text(
         "2026/11/26 08:45:00.000, 10, 100\n"
@@ -43,7 +43,7 @@ def _section(md: Path, number: int) -> str:
 
 
 @pytest.mark.parametrize("number, returned", [(1, "gpu-profile"), (3, "gpu-profile-batched")])
-def test_committed_report_is_the_one_generated_from_the_returned_files(number, returned):
+def test_committed_report_is_the_one_generated_from_the_returned_files(number, returned, zone):
     src = ROOT / "reports" / "bench" / returned
     data = json.loads((src / "profile.json").read_text())
     spy = gpu_profile.pyspy_top(src / "pyspy-round.txt")
@@ -61,7 +61,7 @@ def test_committed_cpu_engine_section_is_the_one_generated_from_engine_json():
     assert _section(ROOT / "reports" / "bench" / "engine.md", 2).strip() == engine.markdown(record).strip()
 
 
-def test_committed_engine_section_is_the_one_generated_from_the_returned_files():
+def test_committed_engine_section_is_the_one_generated_from_the_returned_files(zone):
     from benchmarks import gpu_engine
 
     src = ROOT / "reports" / "bench" / "gpu-engine"
@@ -220,3 +220,47 @@ def test_device_busy_time_counts_each_kernel_once():
         row(7150.0, DeviceType.CUDA, annotation=True),  # Optimizer.step#AdamW.step
     ]
     assert gpu_profile.device_busy_seconds(events) == pytest.approx(0.0099)
+
+
+def test_each_profiled_round_records_its_own_peak_gpu_memory(tmp_path, monkeypatch):
+    """On a GPU, ``torch.cuda.max_memory_allocated`` is the process's peak since its last reset: nothing reset it
+    between the cache-filling round and the timed one, so the timed round's peak_memory_gib was the larger of the two.
+    Here CUDA's memory counters are stood in for (the fill round peaking at 5 GiB, the timed one at 2 GiB) and the
+    workspace and rounds faked: each round's record is its own peak."""
+    from types import SimpleNamespace  # lazy: this test's only
+
+    import torch  # lazy: as the other tests here, torch only where a test needs it
+
+    import benchmarks.common  # lazy: the modules measure imports lazily, patched before it runs
+    import pipeline.experiments.plans  # lazy: as above
+    import pipeline.train  # lazy: as above
+    from benchmarks import engine  # lazy: as above
+
+    peaks, seen = iter([5 * 2**30, 2 * 2**30]), {"peak": 0}
+    monkeypatch.setattr(
+        pipeline.train, "run_set", lambda plans, track: seen.update(peak=max(seen["peak"], next(peaks)))
+    )
+    for name, fake in {
+        "is_available": lambda: True,
+        "get_device_name": lambda *a: "NVIDIA stand-in",
+        "synchronize": lambda *a: None,
+        "reset_peak_memory_stats": lambda *a: seen.update(peak=0),
+        "max_memory_allocated": lambda *a: seen["peak"],
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    monkeypatch.setattr(gpu_profile, "mm_rates", lambda: {})
+    monkeypatch.setattr(engine, "build_workspace", lambda work, params, **kw: {"train": {}})
+    monkeypatch.setattr(engine, "write_plans", lambda *a, **kw: [tmp_path / "plan.json"])
+    monkeypatch.setattr(engine, "round_flops", lambda *a: 0.0)
+    monkeypatch.setattr(pipeline.experiments.plans, "read_plan", lambda path: SimpleNamespace(model_config=None))
+    monkeypatch.setattr(benchmarks.common, "default_shape", lambda *a: None)
+    monkeypatch.delenv("FEDMEET_PYSPY", raising=False)
+    monkeypatch.setenv("PATH", "")  # no py-spy
+    monkeypatch.setenv("FEDMEET_ROOT", os.environ.get("FEDMEET_ROOT", ""))  # measure sets it: undone after
+    monkeypatch.chdir(tmp_path)  # measure changes into its workspace: undone after
+
+    steps = gpu_profile.measure(tmp_path, tmp_path / "out", tmp_path / "work", train_only=True)["steps"]
+    assert {n: steps[n]["peak_memory_gib"] for n in ("round_fill_cache", "round")} == {
+        "round_fill_cache": 5.0,
+        "round": 2.0,
+    }

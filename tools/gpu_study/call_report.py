@@ -23,7 +23,7 @@ import statistics
 import tarfile
 import tempfile
 from collections import defaultdict
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +179,7 @@ def markdown(
         f"## {number}. The GPU study's call on a lent GPU (`tools/gpu_study/device.py run`; "
         "`python -m tools.gpu_study.call_report`)\n\n"
         f"Device: {study['device'].get('gpu', 'none')}; Python {study['device']['python']}; "
-        f"{f'{datetime.fromtimestamp(t0):%Y-%m-%d} (the first nvidia-smi sample)' if t0 else 'no nvidia-smi samples'}"
+        f"{f'{datetime.fromtimestamp(t0, UTC):%Y-%m-%d} (the first nvidia-smi sample)' if t0 else 'no nvidia-smi samples'}"
         f". configs/gpu-study.yaml's {len(rounds)} runs in {len(calls)} call(s) on one machine: "
         f"{sum(c['seconds'] for c in calls):.0f} s of their {sum(c['budget_s'] for c in calls):.0f} s budgets, "
         f"{'every step completed' if study['complete'] else 'not complete'}. The returned files are in "
