@@ -221,3 +221,27 @@ def test_the_int8_bound_covers_the_float32_rounding_of_x_over_s_and_q_times_s():
     s = float(enc["w" + SCALE_SUFFIX])
     err = float((decode_state(enc)["w"].double() - x.double()).abs().max())
     assert s / 2 < err <= transfer_error_bound(enc, "w") <= s / 2 * (1 + 2.0**-12)
+
+
+def test_int8_grid_stays_symmetric_when_the_scale_is_subnormal():
+    """A subnormal scale (max|x| below 127 * 2^-126) is rounded by float32 with a large relative error: here
+    fl(190 * 2^-149 / 127) = 2^-149, so x/s = +-190, past the grid. Clamping keeps q on -127..127 with x's sign; without
+    it the cast to int8 wraps 190 to -66 (the sign flips) and -190 to 66."""
+    tiny = 2.0**-149  # the smallest float32 subnormal; integer multiples of it below 2^-126 are exact
+    q, s = quantize_int8(torch.tensor([190 * tiny, -190 * tiny, 64 * tiny]))
+    assert float(s) == tiny
+    assert q.tolist() == [127, -127, 64]
+
+
+def test_the_int8_scale_is_float32_whatever_torchs_default_dtype():
+    """The scale travels as one float32 (4 bytes, encoded_nbytes counts them) also for an empty tensor, whose max is
+    made by torch.tensor(0.0) in torch's default dtype: under float64 it must not become a float64 scale."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, s = quantize_int8(torch.zeros(0, dtype=torch.float32))
+        enc = encode_state({"e": torch.zeros(0, dtype=torch.float32)}, "int8")
+    finally:
+        torch.set_default_dtype(previous)
+    assert s.dtype == torch.float32 and s.shape == () and float(s) == 0.0
+    assert enc["e" + SCALE_SUFFIX].dtype == torch.float32 and encoded_nbytes(enc) == 4

@@ -787,3 +787,21 @@ def test_a_damaged_examples_table_is_one_error_line_naming_it_and_the_column(tmp
     assert outcome.status == 2 and "Traceback" not in outcome.stderr, outcome.stderr
     names(outcome.lines[-1], f"error: {table}: ", problem)
     assert len(outcome.lines) == 1 and not (tmp_path / "parts").exists() and not (tmp_path / "rep").exists()
+
+
+def test_each_partition_seed_gives_the_kmeans_clustering_its_own_seed(monkeypatch):
+    """scheme_cluster draws K-Means' random_state from the partition's seeded generator: distinct partition seeds
+    must give distinct K-Means seeds (a draw from a range of ~2^31 values: 200 seeds collide with probability ~1e-5;
+    a draw from a few dozen values, e.g. 2 * 31 for 2**31, makes seeds share K-Means' initialisation)."""
+    seen = []
+
+    def record(pool, cluster_cfg, random_state):
+        seen.append(random_state)
+        return dict.fromkeys(pool.example_id, "cluster0")
+
+    monkeypatch.setattr(partition_schemes, "cluster_labels", record)
+    monkeypatch.setattr(partition_schemes, "label_skew", lambda *a: None)
+    for seed in range(200):
+        partition_schemes.scheme_cluster(EXAMPLES, cfg(), np.random.default_rng(seed))
+    assert len(seen) == 200 and len(set(seen)) == 200
+    assert all(isinstance(s, int) and 0 <= s < 2**32 for s in seen)  # what scikit-learn accepts as a seed
