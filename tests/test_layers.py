@@ -305,7 +305,11 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # misspelt params group and an empty model.cache_dir refused; a SecAgg+ upload heavier than max_weight refused by
 # its client (Flower only warns and clips); PRV's target search that raises falls back to RDP's search; admission
 # refuses a declared client that answers without its num-train / num-valid. -4 from one parquet reader where two were.
-PACKAGE_LINE_CEILING = 14_874
+# The thirty-third session: +6. PRV's discretisation error falls back to RDP like its other numerics (+1); the POS-tag
+# table's types stated once for its writer and reader, one rule for round files where two, and the start-over
+# warning asked of load_round_checkpoint instead of rewritten from its error text (+5 net: a shared schema constant
+# costs more lines than the two inline statements it replaces).
+PACKAGE_LINE_CEILING = 14_880
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
