@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -44,10 +45,10 @@ def test_the_committed_mutation_table_adds_up():
     """reports/mutation.md is the report's own table (`make mutants`): each row's verdicts add up to the mutants
     made, and its score is (killed + timeout) / (made - not run), n/a where none ran; it names the commit."""
     text = (Path(__file__).resolve().parents[1] / "reports/mutation.md").read_text(encoding="utf-8")
-    assert "at commit " in text
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| pipe")]
     assert {r[0] for r in rows} >= {"pipeline/results/stats.py", "pipeline/training/stopping.py"}
-    for module, made, killed, timeout, survived, no_tests, other, not_run, score in rows:
+    for module, made, killed, timeout, survived, no_tests, other, not_run, score, measured in rows:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC, [0-9a-f]{7,}", measured), module  # when, at which commit
         counts = [int(x) for x in (killed, timeout, survived, no_tests, other, not_run)]
         assert sum(counts) == int(made), module
         ran = int(made) - int(not_run)
@@ -66,8 +67,29 @@ def test_a_package_is_read_file_by_file(tmp_path, capsys):
     out = tmp_path / "summary.md"
     assert report.main(["--mutants-dir", str(tmp_path), "--summary", str(out)]) == 0
     table = out.read_text()
-    assert "| pipeline/federation/strategies/fednova.py | 2 | 1 | 0 | 1 | 0 | 0 | 0 | 50.0 % |" in table
-    assert "| pipeline/federation/strategies/fedavg.py | 0 | 0 | 0 | 0 | 0 | 0 | 0 | n/a |" in table
+    assert "| pipeline/federation/strategies/fednova.py | 2 | 1 | 0 | 1 | 0 | 0 | 0 | 50.0 % | " in table
+    assert "| pipeline/federation/strategies/fedavg.py | 0 | 0 | 0 | 0 | 0 | 0 | 0 | n/a | " in table
+
+
+def test_a_run_of_one_module_keeps_the_other_modules_rows(tmp_path, monkeypatch):
+    """`make mutants MODULES=x` runs x's mutants only: mutmut leaves every other core module's "not run", and the
+    summary replaced their measured rows with rows of "not run" (a session restored them from git by hand). A
+    module this run did not run keeps its last row; a module it ran gets its new one."""
+    monkeypatch.setattr(report, "_commit", lambda: "abcdef1")
+    out = tmp_path / "summary.md"
+    _meta(tmp_path, "results.stats", {1: 1, 2: 0})
+    _meta(tmp_path, "training.stopping", {1: None, 2: None})
+    old_stopping = (
+        "| pipeline/training/stopping.py | 2 | 2 | 0 | 0 | 0 | 0 | 0 | 100.0 % | 2026-01-01 00:00 UTC, 1234567 |"
+    )
+    old_stats = "| pipeline/results/stats.py | 2 | 0 | 0 | 0 | 0 | 0 | 2 | n/a | 2026-01-01 00:00 UTC, 1234567 |"
+    out.write_text(f"# old\n\n{old_stopping}\n{old_stats}\n")
+    assert report.main(["--mutants-dir", str(tmp_path), "--summary", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| pipeline/")]
+    assert old_stopping in rows and old_stats not in rows  # stopping: not run now; stats: run now
+    stats = next(r for r in rows if "stats" in r)
+    assert stats.startswith("| pipeline/results/stats.py | 2 | 1 | 0 | 1 | 0 | 0 | 0 | 50.0 % | ")
+    assert stats.endswith(", abcdef1 |")
 
 
 def test_mutmuts_copy_holds_every_local_package_its_tests_import():

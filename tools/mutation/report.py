@@ -104,16 +104,29 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f} %"
 
 
-def table(results: dict[str, ModuleResult]) -> str:
+def table(results: dict[str, ModuleResult], measured: str, kept: dict[str, str] | None = None) -> str:
+    """The score table, each row ``measured`` (when, at which commit); a module this run did not run (every mutant
+    "not run") keeps its row of ``kept`` (the last table's rows by module path), so a run of one module leaves the
+    others' measurements as they were."""
     cols = ("killed", "timeout", "survived", "no tests", "other", "not run")
-    lines = ["| module | made | " + " | ".join(cols) + " | score |", "|---|" + "---:|" * (len(cols) + 2)]
+    lines = [
+        "| module | made | " + " | ".join(cols) + " | score | measured |",
+        "|---|" + "---:|" * (len(cols) + 2) + "---|",
+    ]
     for m, r in results.items():
-        lines.append(
-            f"| pipeline/{m.replace('.', '/')}.py | {r.made} | "
-            + " | ".join(str(r.counts.get(c, 0)) for c in cols)
-            + f" | {_pct(r.score)} |"
-        )
+        path = f"pipeline/{m.replace('.', '/')}.py"
+        if r.made and r.counts.get("not run") == r.made and path in (kept or {}):
+            lines.append(kept[path])
+            continue
+        counts = " | ".join(str(r.counts.get(c, 0)) for c in cols)
+        lines.append(f"| {path} | {r.made} | {counts} | {_pct(r.score)} | {measured} |")
     return "\n".join(lines)
+
+
+def table_rows(text: str) -> dict[str, str]:
+    """The rows of a summary table that has the measured column, by module path."""
+    rows = [line for line in text.splitlines() if line.startswith("| pipeline/") and line.count("|") == 11]
+    return {row.split("|")[1].strip(): row for row in rows}
 
 
 def diff(name: str) -> str:
@@ -139,19 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.survivors:
         print("\n".join(n for r in results.values() for n in r.undetected))
         return 0
-    summary = table(results)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    kept = table_rows(args.summary.read_text()) if args.summary and args.summary.is_file() else {}
+    summary = table(results, f"{stamp}, {_commit()}", kept)
     print(summary)
     for r in results.values():
         for name in r.undetected:
             print(f"\n## {name} (review: add a test, or convince yourself it cannot change behaviour)\n")
             print(diff(name).rstrip())
     if args.summary:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         args.summary.write_text(
-            f"# Mutation testing of the numerical core\n\nMeasured {stamp} by `make mutants` "
-            f"at commit {_commit()} (mutmut; `python -m tools.mutation.report` lists the survivors' diffs). A row "
-            "made 0: mutmut 3 mutates no decorated function (boxed/mutmut#387), and that file's functions are "
-            "registered by a decorator; their tests alone check them.\n\n" + summary + "\n"
+            "# Mutation testing of the numerical core\n\nEach row is its module's last `make mutants` run (mutmut; "
+            "`python -m tools.mutation.report` lists the survivors' diffs), measured when and at the commit its last "
+            "column says; a run of some modules keeps the others' rows. A row made 0: mutmut 3 mutates no decorated "
+            "function (boxed/mutmut#387), and that file's functions are registered by a decorator; their tests alone "
+            "check them.\n\n" + summary + "\n"
         )
     return 0
 
