@@ -35,11 +35,14 @@ def encoded_nbytes(encoded: dict[str, torch.Tensor]) -> int:
 
 def transfer_error_bound(encoded: dict[str, torch.Tensor], key: str) -> float:
     """Guaranteed max |decoded - original| for ``key``: 0 for fp32; int8: s/2 + s 2^-14 (float32 rounds x/s and q*s,
-    < 127 s 2^-23 each); fp16: half a unit in the last place at the largest magnitude (2^-11 relative, plus 2^-25
-    absolute for subnormals; the factor 1 + 2^-10 covers measuring the magnitude after rounding)."""
+    < 127 s 2^-23 each), plus 127 * 2^-150 for a subnormal s (float32 rounds s itself by up to 2^-150, so x/s may pass
+    127 and be clamped: |127 s - x| <= 127 * 2^-150); fp16: half a unit in the last place at the largest magnitude
+    (2^-11 relative, plus 2^-25 absolute for subnormals; the factor 1 + 2^-10 covers measuring the magnitude after
+    rounding)."""
     value = encoded[key]
     if value.dtype == torch.int8:
-        return float(encoded[key + SCALE_SUFFIX]) * (0.5 + 2.0**-14)
+        s = float(encoded[key + SCALE_SUFFIX])
+        return s * (0.5 + 2.0**-14) + (127 * 2.0**-150 if 0 < s < 2.0**-126 else 0.0)
     if value.dtype == torch.float16:
         amax = float(value.float().abs().max()) if value.numel() else 0.0
         return amax * 2.0**-11 * (1 + 2.0**-10) + 2.0**-25
