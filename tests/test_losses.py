@@ -274,6 +274,25 @@ def test_half_precision_logits_are_handled_in_float32(example):
     torch.testing.assert_close(half.grad.float(), ref_in.grad, atol=1e-2, rtol=0)
 
 
+def test_half_precision_gradient_chunks_are_written_whole_and_without_warnings(example, monkeypatch):
+    """bfloat16 logits take a float32 chunk of the gradient, copied back: with chunks of 2 rows (three tokens: a
+    chunk after the first) the gradient is (1 - lambda)(q - onehot(y)) / N + lambda (q - p) / N, and torch warns of no
+    output it had to resize (mutation testing: a chunk buffer of the wrong shape was silently resized)."""
+    import warnings
+
+    student, teacher, labels = example
+    monkeypatch.setattr(losses, "CHUNK_ROWS_HOST", 2)
+    half = student.to(torch.bfloat16).requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        distillation_loss(half, teacher.to(torch.bfloat16), labels, KDConfig(mode="kd", kd_lambda=LAM)).loss.backward()
+    q = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]])
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3]])
+    onehot = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 1]])
+    expected = ((1 - LAM) * (q - onehot) + LAM * (q - p)) / 3
+    torch.testing.assert_close(half.grad.float()[labels != -100], expected, atol=1e-2, rtol=0)
+
+
 # ----------------------------------------------------------------------------------- portable gates
 @pytest.mark.parametrize(
     "scale, tau, expected_gate, expected_threshold",
@@ -294,6 +313,19 @@ def test_portable_gates_match_hand_computation(example, scale, tau, expected_gat
     )
     assert grid(out.gate_rows, labels).tolist() == expected_gate
     assert float(out.threshold) == pytest.approx(expected_threshold, abs=1e-5)
+
+
+def test_margin_gate_matches_hand_computation(example, monkeypatch):
+    """kd_gate margin: top-1 minus top-2 teacher probability >= tau. Margins 1/2 - 1/4 = 0.25, 0.8 - 0.1 = 0.7 and 0
+    (uniform): tau 0.5 distils token 2 only, whatever the chunking of the gate's own pass over the logits (mutation
+    testing: the loss once gave the gate no chunk size, and no test ran this gate through the loss)."""
+    student, teacher, labels = example
+    for chunk in (128, 1):
+        monkeypatch.setattr(losses, "CHUNK_ROWS_HOST", chunk)
+        out = distillation_loss(student, teacher, labels, KDConfig(kd_gate="margin", kd_lambda=LAM, tau=0.5))
+        assert grid(out.gate_rows, labels).tolist() == [[False, True], [False, False]]
+        assert out.threshold == 0.5
+        assert out.loss.item() == pytest.approx((CE1 + (1 - LAM) * CE2 + LAM * KL2 + CE3) / 3, abs=1e-5)
 
 
 def test_max_entropy_gate_in_bits_is_the_same_gate(example):
@@ -493,6 +525,9 @@ def test_only_the_loss_carries_a_gradient(example):
     out = distillation_loss(student.clone().requires_grad_(True), teacher, labels, KDConfig(mode="kd"))
     assert out.loss.requires_grad
     assert not out.entropy_rows.requires_grad and not out.gate_rows.requires_grad  # diagnostics, not part of the graph
+    # the per-token CE and KL come out of the loss's own kernel: marked non-differentiable there (mutation testing: a
+    # kernel that marked only one of them gave the other a gradient its backward would silently drop)
+    assert not out.ce_rows.requires_grad and not out.kl_rows.requires_grad
 
 
 def test_loss_chunks_are_small_on_a_cpu_and_large_elsewhere_within_their_memory_budget():
@@ -502,6 +537,15 @@ def test_loss_chunks_are_small_on_a_cpu_and_large_elsewhere_within_their_memory_
     rows = chunk_rows_for(torch.empty(3, 30522, device="meta"))  # any device but the CPU: a GPU's launches
     assert rows > 4000 and rows * 30522 * 4 <= CHUNK_BYTES_DEVICE
     assert chunk_rows_for(torch.empty(3, 10**9, device="meta")) == 128  # a huge vocabulary: never below 128
+
+
+def test_loss_chunks_on_a_device_are_a_whole_number_of_rows():
+    """2**29 bytes / (4 bytes x 30522 columns) = 4397.43 rows: 4397, an int (the kernel's range() step; mutation
+    testing: a true division gave 4397.43..., which passed the bounds above)."""
+    from pipeline.modeling.losses import chunk_rows_for
+
+    rows = chunk_rows_for(torch.empty(3, 30522, device="meta"))
+    assert type(rows) is int and rows == 4397
 
 
 # ----------------------------------------------------------------------------------- several runs in one call
@@ -557,6 +601,62 @@ def test_several_runs_in_one_call_give_each_run_what_it_gives_alone_to_the_bit(c
         assert out.n_tokens == alone.n_tokens and str(out.threshold) == str(alone.threshold), r
         assert torch.equal(student.grad[s:e], leaf.grad), r
     assert outs[5].entropy_rows.sum() > 0 and outs[6].entropy_rows.sum() == 0
+
+
+def test_a_ce_run_beside_a_teacher_before_a_distilling_run_and_two_runs_backward():
+    """Two runs on the example's three tokens, both with teacher rows: plain CE first, then KD. Each run's loss,
+    gate and gradient (its loss weighted 2 and 0.5) are the hand values: CE's (q - onehot(y)) / 3, KD's
+    ((1 - lambda)(q - onehot(y)) + lambda (q - p)) / 3 (mutation testing: the gates' loop stopped at a CE run, and a
+    backward of exactly two runs took their two weights for one; the seven-run tests end their taught runs with CE)."""
+    from pipeline.modeling.losses import distillation_losses
+
+    q = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]])  # the example's tokens, packed
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3]])
+    labels = torch.tensor([[0, 0], [2, -100]])
+    onehot = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 1]])
+    student = torch.cat([q, q]).log().requires_grad_(True)
+    cfgs = [KDConfig(mode="ce"), KDConfig(mode="kd", kd_lambda=LAM)]
+    loss, outs = distillation_losses(student, torch.cat([p, p]).log(), [labels, labels], cfgs, [None, None])
+    (loss * torch.tensor([2.0, 0.5])).sum().backward()
+    ce_all, kl_all = CE1 + CE2 + CE3, KL1 + KL2 + KL3
+    assert loss.tolist() == pytest.approx([ce_all / 3, ((1 - LAM) * ce_all + LAM * kl_all) / 3], abs=1e-5)
+    assert outs[0].gate_rows.tolist() == [False] * 3 and outs[1].gate_rows.tolist() == [True] * 3
+    assert outs[1].kl_rows.tolist() == pytest.approx([KL1, KL2, KL3], abs=1e-5)
+    assert outs[0].entropy_rows.tolist() == pytest.approx([H1, H2, H3], abs=1e-5)
+    expected = torch.cat([2.0 * (q - onehot) / 3, 0.5 * ((1 - LAM) * (q - onehot) + LAM * (q - p)) / 3])
+    torch.testing.assert_close(student.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_the_device_path_without_a_host_sync_gives_the_hand_values(monkeypatch):
+    """On a GPU the kernel does not ask the host whether a chunk has a gated token (``z_l.is_cuda``): it computes the
+    KL of every chunk with teacher rows and must leave the rows without one alone. Simulated on the CPU (is_cuda
+    reads True): a selective run (tau 0.8: token 2 only) beside a CE run without teacher rows, and CE with no teacher
+    at all, give the hand values (mutation testing: kernels that took the teacherless rows for taught ones passed
+    every CPU test and failed only on a GPU)."""
+    from pipeline.modeling.losses import distillation_losses
+
+    q = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]])  # the example's tokens, packed
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3]])
+    labels = torch.tensor([[0, 0], [2, -100]])
+    onehot = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 1]])
+    two = torch.cat([q, q]).log().requires_grad_(True)
+    alone = q.log().requires_grad_(True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    cfgs = [KDConfig(kd_lambda=LAM, tau=0.8), KDConfig(mode="ce")]
+    loss, outs = distillation_losses(two, p.log(), [labels, labels], cfgs, [None, None])
+    loss.sum().backward()
+    ce_only = distillation_loss(alone, None, labels, KDConfig(mode="ce"))
+    ce_only.loss.backward()
+    monkeypatch.undo()
+    ce_all = CE1 + CE2 + CE3
+    assert loss.tolist() == pytest.approx([(CE1 + (1 - LAM) * CE2 + LAM * KL2 + CE3) / 3, ce_all / 3], abs=1e-5)
+    assert outs[0].gate_rows.tolist() == [False, True, False] and not outs[1].gate_rows.any()
+    assert outs[0].kl_rows[[0, 2]].tolist() == [0.0, 0.0] and not outs[1].kl_rows.any()
+    taught = (q - onehot) / 3
+    taught[1] = ((1 - LAM) * (q[1] - onehot[1]) + LAM * (q[1] - p[1])) / 3
+    torch.testing.assert_close(two.grad, torch.cat([taught, (q - onehot) / 3]), atol=1e-6, rtol=1e-5)
+    assert ce_only.loss.item() == pytest.approx(ce_all / 3, abs=1e-5)
+    torch.testing.assert_close(alone.grad, (q - onehot) / 3, atol=1e-6, rtol=1e-5)
 
 
 def test_runs_of_other_temperatures_in_one_call_are_each_computed_alone():
