@@ -92,6 +92,43 @@ def test_a_run_of_one_module_keeps_the_other_modules_rows(tmp_path, monkeypatch)
     assert stats.endswith(", abcdef1 |")
 
 
+def test_a_rewritten_summary_keeps_the_notes_below_its_table_and_the_rows_of_modules_without_mutants(
+    tmp_path, monkeypatch
+):
+    """The summary was written as the table alone: the hand-written notes below it (which runs each row took, where
+    the survivors' verdicts are) were lost, and a module mutmut makes no mutants of (a decorated file) got a new
+    measured stamp though nothing of it was measured (this session's helper restored both by hand)."""
+    monkeypatch.setattr(report, "_commit", lambda: "abcdef1")
+    out = tmp_path / "summary.md"
+    _meta(tmp_path, "results.stats", {1: 1, 2: 0})
+    _meta(tmp_path, "federation.strategies.fedavg", {})
+    old_fedavg = (
+        "| pipeline/federation/strategies/fedavg.py | 0 | 0 | 0 | 0 | 0 | 0 | 0 | n/a | 2026-01-01 00:00 UTC, 1234567 |"
+    )
+    notes = "The stats row: see 1234567.\n\n| a table | in the notes |\n|---|---|\n\nLast line."
+    out.write_text(f"# old\n\nintro\n\n{old_fedavg}\n\n{notes}\n")
+    assert report.main(["--mutants-dir", str(tmp_path), "--summary", str(out)]) == 0
+    text = out.read_text()
+    assert text.endswith(f"\n\n{notes}\n") and text.count("The stats row") == 1
+    rows = [line for line in text.splitlines() if line.startswith("| pipeline/")]
+    assert rows[0] == old_fedavg and rows[1].endswith(", abcdef1 |") and len(rows) == 2
+    # rewritten again: the same file but for the new row's stamp (the notes not doubled, nor the table taken for notes)
+    assert report.main(["--mutants-dir", str(tmp_path), "--summary", str(out)]) == 0
+    assert _unstamped(out.read_text()) == _unstamped(text)
+    # a first summary (no file yet): the table alone, with a measured row for the module without mutants
+    fresh = tmp_path / "fresh.md"
+    assert report.main(["--mutants-dir", str(tmp_path), "--summary", str(fresh)]) == 0
+    lines = fresh.read_text().splitlines()
+    assert lines[-1].startswith("| pipeline/results/stats.py |")
+    assert lines[-2].startswith("| pipeline/federation/strategies/fedavg.py | 0 |") and lines[-2].endswith(
+        ", abcdef1 |"
+    )
+
+
+def _unstamped(text: str) -> str:
+    return re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC, abcdef1", "STAMP", text)
+
+
 def test_mutmuts_copy_holds_every_local_package_its_tests_import():
     # `make mutants` runs the selected tests inside mutmut's copy (mutants/): source_paths, tests/ and also_copy only.
     # tests/test_compression imports benchmarks.communication, which the copy lacked: every mutant "failed to collect".

@@ -106,8 +106,8 @@ def _pct(x: float | None) -> str:
 
 def table(results: dict[str, ModuleResult], measured: str, kept: dict[str, str] | None = None) -> str:
     """The score table, each row ``measured`` (when, at which commit); a module this run did not run (every mutant
-    "not run") keeps its row of ``kept`` (the last table's rows by module path), so a run of one module leaves the
-    others' measurements as they were."""
+    "not run", or none made: nothing of it is measured) keeps its row of ``kept`` (the last table's rows by module
+    path), so a run of one module leaves the others' measurements as they were."""
     cols = ("killed", "timeout", "survived", "no tests", "other", "not run")
     lines = [
         "| module | made | " + " | ".join(cols) + " | score | measured |",
@@ -115,12 +115,21 @@ def table(results: dict[str, ModuleResult], measured: str, kept: dict[str, str] 
     ]
     for m, r in results.items():
         path = f"pipeline/{m.replace('.', '/')}.py"
-        if r.made and r.counts.get("not run") == r.made and path in (kept or {}):
+        if r.counts.get("not run", 0) == r.made and path in (kept or {}):
             lines.append(kept[path])
             continue
         counts = " | ".join(str(r.counts.get(c, 0)) for c in cols)
         lines.append(f"| {path} | {r.made} | {counts} | {_pct(r.score)} | {measured} |")
     return "\n".join(lines)
+
+
+def after_table(text: str) -> str:
+    """What a summary file holds below its table (the hand-written notes on its rows), kept when the table is
+    rewritten."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[end:]).strip()
 
 
 def table_rows(text: str) -> dict[str, str]:
@@ -153,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(n for r in results.values() for n in r.undetected))
         return 0
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    kept = table_rows(args.summary.read_text()) if args.summary and args.summary.is_file() else {}
+    old = args.summary.read_text() if args.summary and args.summary.is_file() else ""
+    kept, notes = table_rows(old), after_table(old)
     summary = table(results, f"{stamp}, {_commit()}", kept)
     print(summary)
     for r in results.values():
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             "`python -m tools.mutation.report` lists the survivors' diffs), measured when and at the commit its last "
             "column says; a run of some modules keeps the others' rows. A row made 0: mutmut 3 mutates no decorated "
             "function (boxed/mutmut#387), and that file's functions are registered by a decorator; their tests alone "
-            "check them.\n\n" + summary + "\n"
+            "check them.\n\n" + summary + "\n" + (f"\n{notes}\n" if notes else "")
         )
     return 0
 
