@@ -20,6 +20,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from pipeline.modeling import losses
 from pipeline.modeling.losses import KDConfig, LossOutput, distillation_loss
@@ -745,3 +747,53 @@ def test_selective_kd_with_the_hard_kd_mask_gate_fails_at_planning_naming_the_ke
     assert str(err.value).startswith(f"{where}.kd_gate='token_mask'") and "hardkd" in str(err.value)
     KDConfig(mode="hard", kd_gate="token_mask")  # hard KD's own gate
     KDConfig(kd_gate="every_token")  # distils every token: selective KD as FedKD, but it trains
+
+
+class _OneDevice(TorchDispatchMode):
+    """What a GPU checks of each operation, on any device: its tensors are on one device (a 0-dim host tensor
+    aside, as CUDA allows); copies between devices and host indices (which CUDA moves) aside. PyTorch's meta device
+    does not check it in every kernel (its gather takes a host index)."""
+
+    MOVES = ("aten._to_copy.", "aten.copy_.", "aten.index.", "aten.index_put_.", "aten._index_put_impl_.")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not str(func).startswith(self.MOVES):
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if len(devices := {t.device for t in tensors if t.dim() or t.device.type != "cpu"}) > 1:
+                raise RuntimeError(f"{func}: tensors on {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("teacher_on", ["meta", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tensor_the_loss_makes_is_on_the_logits_device(monkeypatch, dtype, teacher_on):
+    """A tensor made or left on the host beside device logits (a ``device=`` or ``.to(dev)`` left out) fails only on
+    a GPU, in the lease's study call; mutation testing found 29 such lines no CPU test could tell apart. Here the
+    student's logits are on PyTorch's meta device (shapes, no data), read as on a GPU (``is_cuda``: the kernel's
+    no-sync path, the device's chunking), every operation checked as a GPU checks it (:class:`_OneDevice`); the
+    teacher's logits there or on the host (the loss moves them), the labels and hard masks on the host as a trainer
+    passes them; seven runs (every gate, hard KD, both normalisations, CE beside a teacher and without one)."""
+    from pipeline.modeling.losses import distillation_losses, teacher_entropy
+
+    student, teacher, labels, cfgs, hard = _runs(torch.Generator().manual_seed(6))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    z_l = student.detach().to("meta", dtype).requires_grad_(True)
+    with _OneDevice():
+        loss, outs = distillation_losses(z_l, teacher.to(teacher_on, dtype), labels, cfgs, hard)
+        loss.sum().backward()
+        entropy = teacher_entropy(teacher.to("meta", dtype), "2", 5)
+    made = [loss, z_l.grad, entropy] + [t for o in outs for t in (o.loss, o.ce_rows, o.kl_rows, o.gate_rows)]
+    assert {t.device.type for t in made + [o.entropy_rows for o in outs]} == {"meta"}
+    assert z_l.grad.shape == student.shape and z_l.grad.dtype == dtype
+
+
+def test_the_one_device_check_refuses_what_a_gpu_refuses():
+    """The check above is no weaker than a GPU's: a host index into device rows, device rows minus host rows."""
+    rows = torch.zeros(3, 4, device="meta")
+    with _OneDevice(), pytest.raises(RuntimeError, match=r"gather.*\['cpu', 'meta'\]"):
+        rows.gather(-1, torch.zeros(3, 1, dtype=torch.long))
+    with _OneDevice(), pytest.raises(RuntimeError, match=r"sub.*\['cpu', 'meta'\]"):
+        rows - torch.ones(3, 4)
+    with _OneDevice():  # what CUDA allows: a host scalar, a copy to the device, a host boolean index
+        (rows * torch.tensor(2.0)).copy_(torch.ones(3, 4))[torch.tensor([True, False, True])]
