@@ -62,11 +62,11 @@ def test_prv_accountant_agrees_with_rdp_within_its_slack():
 
 
 def test_prv_without_a_finite_bound_reports_rdps_and_names_it(ws, caplog):
-    """opacus' PRV accountant overflows at extreme settings (z 0.1, q 0.5, 50 steps; z 0.5, q 0.5, 1000 steps too):
-    inf, which the records wrote as epsilon null, "no bound", though the mechanism is noisy and RDP bounds it. The
-    run reports RDP's bound there (opacus' RDPAccountant called directly: never below a valid accountant's), names
+    """opacus' PRV accountant overflows at extreme settings (z 0.05, q 0.5, 5 steps here; z 0.1, q 0.5, 50 steps and
+    z 0.5, q 0.5, 1000 steps too, slower): inf, which the records wrote as epsilon null, "no bound", though the
+    mechanism is noisy and RDP bounds it. The run reports RDP's bound there (opacus' RDPAccountant called directly: never below a valid accountant's), names
     the accountant that gave it and says so in one log line. By hand: two clients at train.fraction_train 0.5,
-    q = 1/2, 50 rounds at z = 0.1 (client-level DP); a client's 50 DP-SGD steps at z = 0.1, q = 1/2 (example-level),
+    q = 1/2, 5 rounds at z = 0.05 (client-level DP); a client's 5 DP-SGD steps at z = 0.05, q = 1/2 (example-level),
     whose epsilon the records' epsilon_max is."""
     from opacus.accountants import PRVAccountant, RDPAccountant
 
@@ -75,28 +75,28 @@ def test_prv_without_a_finite_bound_reports_rdps_and_names_it(ws, caplog):
     from tests.test_client_dp import _with_privacy
     from tests.test_federated import write_plan
 
-    (prv := PRVAccountant()).history = [(0.1, 0.5, 50)]
-    (rdp := RDPAccountant()).history = [(0.1, 0.5, 50)]
+    (prv := PRVAccountant()).history = [(0.05, 0.5, 5)]
+    (rdp := RDPAccountant()).history = [(0.05, 0.5, 5)]
     assert prv.get_epsilon(delta=1e-5) == math.inf  # the library's own
     expected = rdp.get_epsilon(delta=1e-5)
     assert 100 < expected < math.inf
     with caplog.at_level("WARNING"):
-        assert bound(0.1, 0.5, 50, 1e-5, "prv")[0] == pytest.approx(expected, rel=1e-12)
+        assert bound(0.05, 0.5, 5, 1e-5, "prv")[0] == pytest.approx(expected, rel=1e-12)
     assert any("PRV" in r.message and "RDP" in r.message and "1e-05" in r.message for r in caplog.records)
     path = _with_privacy(
-        write_plan("prv-overflow", "fedavg", rounds=50, fraction_train=0.5),
-        {"mode": "client", "noise_multiplier": 0.1, "clipping_norm": 1.0, "accountant": "prv"},
+        write_plan("prv-overflow", "fedavg", rounds=5, fraction_train=0.5),
+        {"mode": "client", "noise_multiplier": 0.05, "clipping_norm": 1.0, "accountant": "prv"},
     )
-    history = [{"round": r, "client": c, "sampled": 0, "failed": 0} for r in range(1, 51) for c in ("A", "B")]
+    history = [{"round": r, "client": c, "sampled": 0, "failed": 0} for r in range(1, 6) for c in ("A", "B")]
     out = client_level_summary(load_plan(path), history, {"A": {}, "B": {}})
-    assert out["sample_rate"] == 0.5 and out["rounds_accounted"] == 50 and out["delta"] == 1e-5
+    assert out["sample_rate"] == 0.5 and out["rounds_accounted"] == 5 and out["delta"] == 1e-5
     assert out["epsilon"] == pytest.approx(expected, rel=1e-12) and out["accountant"] == "rdp"
-    # example-level DP: A's epsilon (the accountant's after its 50 steps, as its replies carry it) is epsilon_max
+    # example-level DP: A's epsilon (the accountant's after its 5 steps, as its replies carry it) is epsilon_max
     path = _with_privacy(
-        write_plan("prv-overflow-ex", "fedavg"), {"mode": "example", "noise_multiplier": 0.1, "accountant": "prv"}
+        write_plan("prv-overflow-ex", "fedavg"), {"mode": "example", "noise_multiplier": 0.05, "accountant": "prv"}
     )
-    dp = {"delta": 1e-5, "noise_multiplier": 0.1, "max_grad_norm": 1.0, "sample_rate": 0.5, "dp_examples": 1}
-    rows = [{"round": 1, "client": "A", "dp_steps": 50, "epsilon": expected, "dp_clipped": 0} | dp]
+    dp = {"delta": 1e-5, "noise_multiplier": 0.05, "max_grad_norm": 1.0, "sample_rate": 0.5, "dp_examples": 1}
+    rows = [{"round": 1, "client": "A", "dp_steps": 5, "epsilon": expected, "dp_clipped": 0} | dp]
     record = run_record(load_plan(path), rows, {"A": {}})["privacy"]
     assert (record["epsilon_max"], record["accountant"], record["delta_max"]) == (expected, "rdp", 1e-5)
 
@@ -165,11 +165,18 @@ def test_prv_target_search_that_raises_uses_rdps_search_and_names_it(monkeypatch
     noise_for_target.cache_clear()
     if fault is not None:
         monkeypatch.setattr(PRVAccountant, "get_epsilon", lambda self, **kw: (_ for _ in ()).throw(fault))
-    search = {"target_epsilon": 2.5, "target_delta": delta, "sample_rate": 0.5, "steps": 6, "epsilon_tolerance": 0.01}
+    # q = 8/64 and 3 x 8 steps: opacus' RDP search takes ~1 s here, ~6 s at q = 1/2
+    search = {
+        "target_epsilon": 2.5,
+        "target_delta": delta,
+        "sample_rate": 0.125,
+        "steps": 24,
+        "epsilon_tolerance": 0.01,
+    }
     expected = get_noise_multiplier(**search, accountant="rdp")
     cfg = PrivacyConfig(mode="example", target_epsilon=2.5, delta=delta, accountant="prv")
     with caplog.at_level("WARNING"):
-        assert client_privacy(in_plan(cfg), n_examples=16).noise_multiplier == expected
+        assert client_privacy(in_plan(cfg), n_examples=64).noise_multiplier == expected
     assert (
         len([r for r in caplog.records if "PRV" in r.message and "RDP" in r.message and f"{delta:g}" in r.message]) == 1
     )
@@ -184,13 +191,13 @@ def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
 def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
     accountant = "rdp"  # (the PRV search takes ~10 s here; PRV itself is checked above)
     cfg = PrivacyConfig(mode="example", target_epsilon=3.0, accountant=accountant)
-    s = client_privacy(in_plan(cfg), n_examples=16)
-    assert (s.sample_rate, s.steps_per_epoch, s.delta) == (0.5, 2, 1e-5)
+    s = client_privacy(in_plan(cfg), n_examples=64)  # q = 8/64 (the search takes ~6 s at q = 1/2, ~1 s here)
+    assert (s.sample_rate, s.steps_per_epoch, s.delta) == (0.125, 8, 1e-5)
     planned = 3 * 1 * s.steps_per_epoch  # rounds x local epochs x steps per epoch
-    eps = bound(s.noise_multiplier, 0.5, planned, 1e-5, accountant)[0]
+    eps = bound(s.noise_multiplier, 0.125, planned, 1e-5, accountant)[0]
     assert 2.98 <= eps <= 3.0  # opacus' search stops within 0.01 below the target
-    assert bound(s.noise_multiplier, 0.5, planned - 2, 1e-5, accountant)[0] < eps  # fewer rounds stay below it
-    assert bound(0.9 * s.noise_multiplier, 0.5, 6, 1e-5, accountant)[0] > 3.0  # and the search is not loose
+    assert bound(s.noise_multiplier, 0.125, planned - 8, 1e-5, accountant)[0] < eps  # fewer rounds stay below it
+    assert bound(0.9 * s.noise_multiplier, 0.125, planned, 1e-5, accountant)[0] > 3.0  # and the search is not loose
 
 
 # ------------------------------------------------------------------------------------------ the step
