@@ -64,10 +64,10 @@ def test_prv_accountant_agrees_with_rdp_within_its_slack():
 def test_prv_without_a_finite_bound_reports_rdps_and_names_it(ws, caplog):
     """opacus' PRV accountant overflows at extreme settings (z 0.05, q 0.5, 5 steps here; z 0.1, q 0.5, 50 steps and
     z 0.5, q 0.5, 1000 steps too, slower): inf, which the records wrote as epsilon null, "no bound", though the
-    mechanism is noisy and RDP bounds it. The run reports RDP's bound there (opacus' RDPAccountant called directly: never below a valid accountant's), names
-    the accountant that gave it and says so in one log line. By hand: two clients at train.fraction_train 0.5,
-    q = 1/2, 5 rounds at z = 0.05 (client-level DP); a client's 5 DP-SGD steps at z = 0.05, q = 1/2 (example-level),
-    whose epsilon the records' epsilon_max is."""
+    mechanism is noisy and RDP bounds it. The run reports RDP's bound there (opacus' RDPAccountant called directly:
+    never below a valid accountant's), names the accountant that gave it and says so in one log line. By hand: two
+    clients at train.fraction_train 0.5, q = 1/2, 5 rounds at z = 0.05 (client-level DP); a client's 5 DP-SGD steps
+    at z = 0.05, q = 1/2 (example-level), whose epsilon the records' epsilon_max is."""
     from opacus.accountants import PRVAccountant, RDPAccountant
 
     from pipeline.federation.protocol import load_plan
