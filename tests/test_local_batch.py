@@ -324,3 +324,55 @@ def test_a_client_round_reads_its_results_from_the_device_in_a_few_transfers_wha
             one_by_one["tokens"] += out.n_tokens
             one_by_one["kd_tokens"] += n_kd
         assert round_sums(outputs) == one_by_one and 0 < one_by_one["kd_tokens"] < one_by_one["tokens"]
+
+
+@pytest.mark.parametrize("kind", ["bart", "bert2bert"])
+def test_a_stacked_step_keeps_every_tensor_on_the_device(monkeypatch, kind):
+    """A tensor made or left on the host beside the device's (a ``device=`` or ``.to(device)`` left out) fails only
+    on a GPU, inside a lease's study call. One step of the batched trainer, on PyTorch's meta device read as a GPU
+    (``is_cuda``), every operation checked as CUDA checks it (tests/test_losses.py's ``_OneDevice``): two runs'
+    stacked adapters, the first taught by a teacher stack, their packed logits from one prefix (the top layers'
+    masks and rows read from the host's labels and source mask, as the trainer passes them), the loss, its backward
+    and AdamW's step. The prefix and stacks are made on the host first (the frozen encoder's mask builder and
+    ``AdapterSet.state`` read values, which a meta tensor has not); autocast is left out (it refuses the meta
+    device)."""
+    import contextlib
+
+    from pipeline.modeling.adapter_stack import AdapterStack
+    from pipeline.modeling.adapters import AdapterConfig
+    from pipeline.modeling.batching import collate, tokenize_pairs
+    from pipeline.modeling.losses import KDConfig, distillation_losses
+    from pipeline.modeling.model import AdapterSummarizer, Prefix
+    from pipeline.training.local_batch import stacked_logits
+    from tests.test_losses import _OneDevice
+    from tests.test_model import FRAME, LENGTHS
+    from tests.tiny_models import tiny
+
+    backbone, tokenizer = tiny(kind)
+    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    examples = tokenize_pairs(
+        tokenizer, FRAME.assign(example_id=["a", "b", "c"]), LENGTHS, model.decoder_start_token_id
+    )
+    batch = collate(examples, model.pad_token_id, model.decoder_start_token_id)
+    prefix = model.compute_prefix(batch)
+    states = [model.adapter_state("local"), model.adapter_state("global")]
+    local = AdapterStack(states, model.adapter_sets["local"], "cpu").to("meta")
+    teacher = AdapterStack(states[1:], model.adapter_sets["local"], "cpu").to("meta").requires_grad_(False)
+    model.to("meta")
+    monkeypatch.setattr(model, "device", torch.device("meta"))
+    prefix = Prefix(*(t.to("meta") for t in vars(prefix).values())).repeat(2)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
+    optimizer = torch.optim.AdamW(list(local.parameters()), lr=1e-3)
+    with _OneDevice():
+        student, taught = stacked_logits(
+            model, prefix, batch.labels.repeat(2, 1), batch.attention_mask.repeat(2, 1), local, teacher, 1, False
+        )
+        cfgs = [KDConfig(kd_lambda=0.5, tau=0.5), KDConfig(mode="ce")]
+        loss, outs = distillation_losses(student, taught, [batch.labels] * 2, cfgs, [None, None])
+        loss.sum().backward()
+        optimizer.step()
+    n_tokens = int((batch.labels != -100).sum())
+    assert student.shape[0] == 2 * n_tokens and taught.shape[0] == n_tokens
+    made = [student, taught, loss, *local.parameters(), *(p.grad for p in local.parameters())]
+    assert {t.device.type for t in made + [o.gate_rows for o in outs]} == {"meta"}
