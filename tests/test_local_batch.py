@@ -331,10 +331,11 @@ def test_a_stacked_step_keeps_every_tensor_on_the_device(monkeypatch, kind):
     """A tensor made or left on the host beside the device's (a ``device=`` or ``.to(device)`` left out) fails only
     on a GPU, inside a lease's study call. One step of the batched trainer, on PyTorch's meta device read as a GPU
     (``is_cuda``), every operation checked as CUDA checks it (tests/test_losses.py's ``_OneDevice``): two runs'
-    stacked adapters, the first taught by a teacher stack, their packed logits from one prefix (the top layers'
-    masks and rows read from the host's labels and source mask, as the trainer passes them), the loss, its backward
-    and AdamW's step. The prefix and stacks are made on the host first (the frozen encoder's mask builder and
-    ``AdapterSet.state`` read values, which a meta tensor has not); autocast is left out (it refuses the meta
+    stacked adapters made from host states (the first taught by a teacher stack), their packed logits from one prefix
+    (the top layers' masks and rows read from the host's labels and source mask, as the trainer passes them), the
+    loss, its backward and AdamW's step. Making a stack reads nothing of the device's adapters (it took their keys
+    from ``AdapterSet.state()``, which copies every tensor to the host). The prefix is made on the host first (the
+    HF encoder's mask builder reads values, which a meta tensor has not); autocast is left out (it refuses the meta
     device)."""
     import contextlib
 
@@ -356,15 +357,15 @@ def test_a_stacked_step_keeps_every_tensor_on_the_device(monkeypatch, kind):
     batch = collate(examples, model.pad_token_id, model.decoder_start_token_id)
     prefix = model.compute_prefix(batch)
     states = [model.adapter_state("local"), model.adapter_state("global")]
-    local = AdapterStack(states, model.adapter_sets["local"], "cpu").to("meta")
-    teacher = AdapterStack(states[1:], model.adapter_sets["local"], "cpu").to("meta").requires_grad_(False)
     model.to("meta")
     monkeypatch.setattr(model, "device", torch.device("meta"))
     prefix = Prefix(*(t.to("meta") for t in vars(prefix).values())).repeat(2)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
-    optimizer = torch.optim.AdamW(list(local.parameters()), lr=1e-3)
     with _OneDevice():
+        local = AdapterStack(states, model.adapter_sets["local"], model.device)
+        teacher = AdapterStack(states[1:], model.adapter_sets["local"], model.device).requires_grad_(False)
+        optimizer = torch.optim.AdamW(list(local.parameters()), lr=1e-3)
         student, taught = stacked_logits(
             model, prefix, batch.labels.repeat(2, 1), batch.attention_mask.repeat(2, 1), local, teacher, 1, False
         )

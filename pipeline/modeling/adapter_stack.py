@@ -29,7 +29,7 @@ class AdapterStack(nn.Module):
 
     def __init__(self, states: list[dict[str, torch.Tensor]], template: AdapterSet, device: torch.device | str):
         super().__init__()
-        self.keys = list(template.state())
+        self.keys = list(template.leaves())  # the keys only: state() copies every tensor to the host
         for r, state in enumerate(states):
             if sorted(state) != sorted(self.keys):
                 raise ValueError(f"adapter stack: run {r}'s state keys do not match the adapter set's")

@@ -76,14 +76,15 @@ class AdapterSet(nn.ModuleList):
         for adapter, ln in zip(self, layer_norms):
             adapter.reset_parameters(config.init_std, ln, generator)
 
-    def _named(self) -> dict[str, nn.Parameter]:
+    def leaves(self) -> dict[str, nn.Parameter]:
+        """The parameters by their ``state()`` key, where they are (no copy)."""
         return {f"layer{name}": p for name, p in self.named_parameters()}
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {key: p.detach().to("cpu", torch.float32, copy=True) for key, p in self._named().items()}
+        return {key: p.detach().to("cpu", torch.float32, copy=True) for key, p in self.leaves().items()}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        own = self._named()
+        own = self.leaves()
         missing, unknown = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unknown:
             raise ValueError(f"adapter state does not match: missing {missing[:4]}, unknown {unknown[:4]}")

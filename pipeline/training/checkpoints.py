@@ -147,8 +147,7 @@ def round_files(folder: Path, suffix: str) -> dict[int, Path]:
 
 def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None:
     """The client's latest complete checkpoint (its adapter and progress) of a round before ``before``, or None."""
-    rounds = sorted(round_files(ckpt, ".safetensors"))
-    done = [r for r in rounds if r < before and (ckpt / f"round{r:03d}.json").exists()]
+    done = sorted(r for r in round_files(ckpt, ".safetensors") if r < before and (ckpt / f"round{r:03d}.json").exists())
     if not done:
         return None
     progress = read_json(ckpt / f"round{done[-1]:03d}.json", "client round checkpoint")
