@@ -123,19 +123,14 @@ def table(results: dict[str, ModuleResult], measured: str, kept: dict[str, str] 
     return "\n".join(lines)
 
 
-def after_table(text: str) -> str:
-    """What a summary file holds below its table (the hand-written notes on its rows), kept when the table is
-    rewritten."""
+def previous(text: str) -> tuple[dict[str, str], str]:
+    """A summary file's table rows that have the measured column, by module path, and what it holds below the table
+    (the hand-written notes on its rows, kept when the table is rewritten); one reading of its first table."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    return "\n".join(lines[end:]).strip()
-
-
-def table_rows(text: str) -> dict[str, str]:
-    """The rows of a summary table that has the measured column, by module path."""
-    rows = [line for line in text.splitlines() if line.startswith("| pipeline/") and line.count("|") == 11]
-    return {row.split("|")[1].strip(): row for row in rows}
+    rows = [line for line in lines[start:end] if line.startswith("| pipeline/") and line.count("|") == 11]
+    return {row.split("|")[1].strip(): row for row in rows}, "\n".join(lines[end:]).strip()
 
 
 def diff(name: str) -> str:
@@ -162,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(n for r in results.values() for n in r.undetected))
         return 0
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    old = args.summary.read_text() if args.summary and args.summary.is_file() else ""
-    kept, notes = table_rows(old), after_table(old)
+    kept, notes = previous(args.summary.read_text() if args.summary and args.summary.is_file() else "")
     summary = table(results, f"{stamp}, {_commit()}", kept)
     print(summary)
     for r in results.values():
