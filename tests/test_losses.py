@@ -39,6 +39,10 @@ H1, H2, H3 = 1.5 * L(2), -(0.8 * L(0.8) + 0.2 * L(0.1)), L(3)
 CE1, CE2, CE3 = L(4), L(2), -L(0.6)
 KL1, KL2, KL3 = 0.25 * L(2), 0.8 * L(1.6) + 0.2 * L(0.4), (2 * L(5 / 3) + L(5 / 9)) / 3
 LAM = 0.2
+# the example's three target tokens, packed: student q, teacher p, one-hot labels (the gradients' hand values)
+Q = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]])
+P = torch.tensor([[0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3]])
+ONEHOT = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 1]])
 
 
 def grid(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -288,9 +292,7 @@ def test_half_precision_gradient_chunks_are_written_whole_and_without_warnings(e
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         distillation_loss(half, teacher.to(torch.bfloat16), labels, KDConfig(mode="kd", kd_lambda=LAM)).loss.backward()
-    q = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]])
-    p = torch.tensor([[0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3]])
-    onehot = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 1]])
+    q, p, onehot = Q, P, ONEHOT
     expected = ((1 - LAM) * (q - onehot) + LAM * (q - p)) / 3
     torch.testing.assert_close(half.grad.float()[labels != -100], expected, atol=1e-2, rtol=0)
 
@@ -612,10 +614,7 @@ def test_a_ce_run_beside_a_teacher_before_a_distilling_run_and_two_runs_backward
     backward of exactly two runs took their two weights for one; the seven-run tests end their taught runs with CE)."""
     from pipeline.modeling.losses import distillation_losses
 
-    q = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]])  # the example's tokens, packed
-    p = torch.tensor([[0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3]])
-    labels = torch.tensor([[0, 0], [2, -100]])
-    onehot = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 1]])
+    q, p, onehot, labels = Q, P, ONEHOT, torch.tensor([[0, 0], [2, -100]])
     student = torch.cat([q, q]).log().requires_grad_(True)
     cfgs = [KDConfig(mode="ce"), KDConfig(mode="kd", kd_lambda=LAM)]
     loss, outs = distillation_losses(student, torch.cat([p, p]).log(), [labels, labels], cfgs, [None, None])
@@ -637,10 +636,7 @@ def test_the_device_path_without_a_host_sync_gives_the_hand_values(monkeypatch):
     every CPU test and failed only on a GPU)."""
     from pipeline.modeling.losses import distillation_losses
 
-    q = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6]])  # the example's tokens, packed
-    p = torch.tensor([[0.5, 0.25, 0.25], [0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3]])
-    labels = torch.tensor([[0, 0], [2, -100]])
-    onehot = torch.tensor([[1.0, 0, 0], [1, 0, 0], [0, 0, 1]])
+    q, p, onehot, labels = Q, P, ONEHOT, torch.tensor([[0, 0], [2, -100]])
     two = torch.cat([q, q]).log().requires_grad_(True)
     alone = q.log().requires_grad_(True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
