@@ -61,9 +61,10 @@ REGIMES = (
 )
 
 
-def meeting_ids() -> list[np.ndarray]:
-    """Per client, each query's meeting: consecutive queries, meetings as equal as the counts allow."""
-    return [np.repeat(np.arange(g), [len(c) for c in np.array_split(np.arange(n), g)]) for n, g in zip(SIZES, MEETINGS)]
+# Per client, each query's meeting: consecutive queries, meetings as equal as the counts allow.
+MEETING_IDS = [
+    np.repeat(np.arange(g), [len(c) for c in np.array_split(np.arange(n), g)]) for n, g in zip(SIZES, MEETINGS)
+]
 
 
 def _noise(rng: np.random.Generator, sd: float, size, bounded: bool) -> np.ndarray:
@@ -75,11 +76,11 @@ def draw(rng: np.random.Generator, regime: Regime, seeds: int) -> tuple[list[np.
     seed_sd = regime.rho * ONE_SEED_SE / math.sqrt(2)  # per method
     shared = {m: rng.normal(0.0, seed_sd * math.sqrt(SHARED), seeds) for m in "ab"}
     out: dict[str, list[np.ndarray]] = {"a": [], "b": []}
-    for n, meetings in zip(SIZES, meeting_ids()):
+    for n, g, meetings in zip(SIZES, MEETINGS, MEETING_IDS):
         example = rng.normal(0.0, EXAMPLE_SD, n)
         for m in "ab":
             seed = shared[m] + rng.normal(0.0, seed_sd * math.sqrt(1 - SHARED), seeds)
-            meeting = rng.normal(0.0, regime.meeting_sd, meetings.max() + 1)[meetings]
+            meeting = rng.normal(0.0, regime.meeting_sd, g)[meetings]
             score = (
                 BASE
                 + example
@@ -99,7 +100,7 @@ def coverage(
     ``clustered``: the interval is given the meetings; ``nested``: every seed its own test examples."""
     rng = np.random.default_rng([seeds, REGIMES.index(regime), *[1] * nested])
     # ids distinct across clients: no meeting in two (the clients are QMSum's domains)
-    clusters = [m + 100 * c for c, m in enumerate(meeting_ids())] if clustered else None
+    clusters = [m + 100 * c for c, m in enumerate(MEETING_IDS)] if clustered else None
     hits, width = 0, 0.0
     for _ in range(replicates):
         if nested:  # a seed: a fresh one-seed draw of examples, meetings and seed effects
