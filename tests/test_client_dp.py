@@ -131,6 +131,12 @@ def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated(
         0.9 * _independent_epsilon(0.1, 1.0, 2, 1e-5) < s.bound_after(2)[0] <= _independent_epsilon(0.1, 1.0, 2, 1e-5)
     )
     assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 1e-5, "rdp").bound_after(1)[0] == math.inf
+    # the setting's accountant: PRV's epsilon (opacus' PRVAccountant called here; about 1 s), named PRV
+    from opacus.accountants import PRVAccountant
+
+    (prv := PRVAccountant()).history = [(1.0, 0.5, 3)]
+    eps, named = FederationPrivacy(1.0, 1.0, None, 1.0, 4, 2, 1e-5, "prv").bound_after(3)
+    assert (eps, named) == (pytest.approx(prv.get_epsilon(delta=1e-5), rel=1e-9), "prv")
 
 
 def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_together():
