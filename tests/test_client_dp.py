@@ -96,6 +96,32 @@ def test_target_epsilon_gives_the_noise_for_the_planned_rounds():
     assert s.bound_after(60)[0] < s.bound_after(TFF_ROUNDS)[0]  # fewer rounds: less spent
 
 
+def test_the_servers_setting_is_searched_over_the_plans_rounds_and_names_its_plan():
+    """server_setting: N = 10 clients at train.fraction_train 1 (q = 1: opacus' search is instant there); a target
+    epsilon 10 over the plan's 3 rounds gives opacus' own search's z (called here directly, RDP, to 0.01); a refusal
+    names the plan's file, or its experiment without one."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from pipeline.experiments.train_config import TrainConfig
+    from pipeline.privacy.accounting import server_setting
+
+    def plan(privacy: PrivacyConfig, source: str | None = "models/plans/x.json"):
+        return SimpleNamespace(
+            privacy=privacy, train=TrainConfig(rounds=3, fraction_train=1.0), source=source, experiment="x"
+        )
+
+    s = server_setting(plan(_client_cfg(noise_multiplier=None, target_epsilon=10.0)), 10)
+    assert (s.sampled, s.sample_rate, s.delta) == (10, 1.0, 1e-5)
+    expected = get_noise_multiplier(
+        target_epsilon=10.0, target_delta=1e-5, sample_rate=1.0, steps=3, accountant="rdp", epsilon_tolerance=0.01
+    )
+    assert s.noise_multiplier == expected and s.update_noise_multiplier == expected
+    for source, named in (("models/plans/x.json", "models/plans/x.json"), (None, "x")):
+        with pytest.raises(ConfigError) as exc:
+            server_setting(plan(_client_cfg(delta=0.2), source), 10)
+        assert str(exc.value).startswith(f"{named}: privacy.delta 0.2 >= 1/10 ")
+
+
 def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated():
     s = federation_privacy(_client_cfg(noise_multiplier=1.0, delta=1e-5), population=100, sampled=10, rounds=5)
     # Poisson sampling with the public denominator 10: the sum's sensitivity is C, its noise z C, in every round
@@ -105,6 +131,12 @@ def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated(
         0.9 * _independent_epsilon(0.1, 1.0, 2, 1e-5) < s.bound_after(2)[0] <= _independent_epsilon(0.1, 1.0, 2, 1e-5)
     )
     assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 1e-5, "rdp").bound_after(1)[0] == math.inf
+    # the setting's accountant: PRV's epsilon (opacus' PRVAccountant called here; about 1 s), named PRV
+    from opacus.accountants import PRVAccountant
+
+    (prv := PRVAccountant()).history = [(1.0, 0.5, 3)]
+    eps, named = FederationPrivacy(1.0, 1.0, None, 1.0, 4, 2, 1e-5, "prv").bound_after(3)
+    assert (eps, named) == (pytest.approx(prv.get_epsilon(delta=1e-5), rel=1e-9), "prv")
 
 
 def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_together():
@@ -119,8 +151,23 @@ def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_to
         federation_privacy(_client_cfg(noise_multiplier=z), population=30, sampled=10, rounds=3).bound_after(3)[0],
         rel=1e-9,
     )
+    # sigma_b = 2 (1 hides a power's sign): z_u = (6.25 - 0.25)^-1/2 = 6^-1/2, and the pair is z = 0.4 again
+    wide = federation_privacy(
+        _client_cfg(noise_multiplier=z, clipping="adaptive", clipped_count_stddev=2.0),
+        population=30,
+        sampled=10,
+        rounds=3,
+    )
+    assert wide.update_noise_multiplier == pytest.approx(6**-0.5, rel=1e-12)
+    assert wide.bound_after(3)[0] == pytest.approx(s.bound_after(3)[0], rel=1e-9)
     with pytest.raises(ValueError, match="clipped_count_stddev > it"):  # default sigma_b = 10 / 20 = 0.5
         federation_privacy(_client_cfg(noise_multiplier=0.6, clipping="adaptive"), population=30, sampled=10, rounds=3)
+    with pytest.raises(ConfigError, match="clipped_count_stddev > it"):  # z = sigma_b: the count alone would spend z
+        federation_privacy(_client_cfg(noise_multiplier=0.5, clipping="adaptive"), population=30, sampled=10, rounds=3)
+    free = federation_privacy(
+        _client_cfg(noise_multiplier=0.0, clipping="adaptive"), population=30, sampled=10, rounds=3
+    )
+    assert (free.noise_multiplier, free.update_noise_multiplier, free.count_stddev) == (0.0, 0.0, 0.5)  # no noise
 
 
 # ------------------------------------------------------------------------------------------ the strategy
@@ -199,6 +246,54 @@ def test_a_reply_with_its_arrays_in_another_order_is_clipped_key_by_key():
     assert {k: a.numpy().tolist() for k, a in arrays.items()} == {"a": [0.0, 0.0], "b": [1.0, 4.0]}
 
 
+def test_the_wrapper_hands_the_round_evaluation_and_its_summary_to_its_strategy():
+    """The round number reaches the inner strategy's aggregate_train (uniform weights on, then num-examples again);
+    evaluation and the summary pass through unchanged."""
+    from pipeline.privacy.client_dp import UNIFORM_WEIGHT_KEY, ClientLevelDP
+
+    calls = []
+    inner = SimpleNamespace(
+        weighted_by_key="num-examples",
+        aggregate_train=lambda *args: calls.append(("train", *args, inner.weighted_by_key)) or (None, "train metrics"),
+        configure_evaluate=lambda *args: calls.append(("configure", *args)) or ["message"],
+        aggregate_evaluate=lambda *args: calls.append(("aggregate", *args)) or "metrics",
+        summary=lambda: calls.append(("summary",)),
+    )
+    cfg = _client_cfg(noise_multiplier=0.0)
+    strategy = ClientLevelDP(inner, SimpleNamespace(privacy=cfg, seed=0), federation_privacy(cfg, 4, 4, 1))
+    strategy._arrays = _global([1.0])  # as configure_train of the round leaves it
+    arrays, metrics = strategy.aggregate_train(3, [])  # an empty sample, no noise: the global
+    assert (arrays["w"].numpy().tolist(), metrics, inner.weighted_by_key) == ([1.0], "train metrics", "num-examples")
+    assert strategy.configure_evaluate(3, "arrays", "config", "grid") == ["message"]
+    assert strategy.aggregate_evaluate(3, ["reply"]) == "metrics"
+    strategy.summary()
+    assert calls == [
+        ("train", 3, [], UNIFORM_WEIGHT_KEY),
+        ("configure", 3, "arrays", "config", "grid"),
+        ("aggregate", 3, ["reply"]),
+        ("summary",),
+    ]
+
+
+def test_a_client_side_reply_is_within_c_up_to_its_float32_rounding_only():
+    """The server's check of a client-clipped reply: its update's norm may pass C by 1e-6 C plus the float32 rounding
+    of its coordinates (ulps, added in quadrature): here W = (1, 1), C = 1, coordinates in [1, 2) whose ulp is 2**-23,
+    so the slack is 1e-6 + 2**-23 sqrt(2) = 1.17e-6. A norm of exactly C passes with its mark; a norm of 1.0001 C,
+    100 times that slack above C, is not within C (None), whatever the reply's mark says."""
+    g = np.array([1.0, 1.0])
+    strategy, _ = _wrapped(1, _global(g), noise_multiplier=0.0, clipping_norm=1.0, clipping_side="client")
+    at_c, above = _reply(g + [0.6, 0.8], 1, {"dp-update-clipped": 1}), _reply(g + [0.6001, 0.8001], 1)
+    above.content["metrics"]["dp-update-clipped"] = 0
+    assert strategy.clipped(at_c, _global(g), 1.0) == (1, pytest.approx(1.0, abs=1e-6))
+    assert np.hypot(0.6001, 0.8001) - 1.0 > 50 * (1e-6 + 2**-23 * math.sqrt(2))
+    assert strategy.clipped(above, _global(g), 1.0) is None
+    assert strategy.clipped(_reply(g + [0.3, 0.4], 1), _global(g), 1.0) is None  # no mark: not within C either
+    # the relative 1e-6 alone: W = 0, C = 1000, coordinates near 600 and 800 (ulp 2**-14: a slack of 8.6e-5); a
+    # norm of 1000.0005 is within 1000 (1 + 1e-6) + 8.6e-5, though above 1000 (1 - 1e-6) + 8.6e-5
+    w0, near = np.zeros(2), _reply([600.0003, 800.0004], 1, {"dp-update-clipped": 1})
+    assert strategy.clipped(near, _global(w0), 1000.0) == (1, pytest.approx(1000.0005, abs=2e-4))
+
+
 def test_client_side_mod_clips_the_reply_and_marks_it(ws, server_identity):
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
@@ -230,6 +325,28 @@ def test_client_side_mod_clips_the_reply_and_marks_it(ws, server_identity):
     assert all(m.content["config"][KEY_CLIPPING_NORM] == 1.0 for m in messages)
     arrays, _ = strategy.aggregate_train(1, [big, small])
     np.testing.assert_allclose(arrays["w"].numpy(), g + [0.45, 0.6], rtol=1e-6)
+
+
+def test_adaptive_clipping_moves_c_by_the_noisy_clipped_count():
+    """Andrew et al.'s C <- C exp(lr ((clipped + N(0, sigma_b^2)) / m - target)): the count released to move C is
+    noisy (its noise is what the accountant counts with z_u). By hand: 4 clients of update norms 0.5, 5, 6, 7 at C = 1
+    (3 clipped), sigma_b = 0.8, lr 0.2, target 0.5; the count's noise is the first draw of the round's generator
+    [seed, round], taken here from numpy directly."""
+    g = np.zeros(2)
+    strategy, _ = _wrapped(
+        4,
+        _global(g),
+        noise_multiplier=0.5,
+        clipping="adaptive",
+        clipping_norm=1.0,
+        clipped_count_stddev=0.8,
+        clip_norm_lr=0.2,
+        target_clipped_quantile=0.5,
+    )
+    strategy.aggregate_train(1, [_reply([n, 0.0], 1) for n in (0.5, 5.0, 6.0, 7.0)])
+    noise = np.random.default_rng([strategy.seed, 1]).normal(0.0, 0.8)
+    assert abs(noise) > 0.05  # a draw that tells a noiseless count from this one
+    assert strategy.clipping_norm == pytest.approx(math.exp(0.2 * ((3 + noise) / 4 - 0.5)), rel=1e-12)
 
 
 @pytest.mark.parametrize("side", ["server", "client"])
@@ -356,13 +473,58 @@ def test_privacy_group_validation_for_mode_client():
         with pytest.raises(ConfigError, match="^privacy") as exc:
             from_dict(PrivacyConfig, raw, "privacy")
         assert message in str(exc.value) and "\n" not in str(exc.value), (raw, str(exc.value))
-    with pytest.raises(ValueError, match=r"delta 0.5 >= 1/3 \(1 / the number of clients\)"):
+    with pytest.raises(ValueError, match=r"^privacy: privacy.delta 0.5 >= 1/3 \(1 / the number of clients\)"):
         federation_privacy(_client_cfg(delta=0.5), population=3, sampled=3, rounds=2)
+    with pytest.raises(ConfigError, match=r"^privacy: privacy.delta 0.25 >= 1/4 "):  # 1/N itself promises nothing
+        federation_privacy(_client_cfg(delta=0.25), population=4, sampled=4, rounds=2)
     assert federation_privacy(_client_cfg(), population=100, sampled=10, rounds=2).delta == 1e-5
 
 
 def _params(privacy: dict | None, **train) -> dict:
     return {"tau": 5.0, "model": dict(MODEL), "train": {**TRAIN, **train}, **({"privacy": privacy} if privacy else {})}
+
+
+def test_the_plan_stage_checks_each_client_level_and_secagg_plan_from_its_clients_alone():
+    """check_client_plans on resolved plans (the plan stage's and `presets check`'s): a plan with neither setting is
+    skipped and the plans after it still checked; mode client's plans by federation_privacy over the plan's N
+    clients, m = max(int(N x fraction_train), 1) and its rounds; SecAgg+'s by the clients of round 1 (a late
+    new_client left out); each refusal names the file and the plan's experiment. By hand below."""
+    from pipeline.privacy.accounting import check_client_plans
+
+    def plan(name: str, privacy: dict | None = None, clients="abc", **train) -> dict:
+        p = {"experiment": name, "clients": list(clients), "train": {"fraction_train": 1.0, "rounds": 2, **train}}
+        return p | ({"privacy": privacy} if privacy is not None else {})
+
+    def refusal(*plans: dict, file: str | None = None) -> str:  # None: the default, params.yaml
+        with pytest.raises(ConfigError) as exc:
+            check_client_plans({f"key-{i}": p for i, p in enumerate(plans)}, *([file] if file else []))
+        return str(exc.value)
+
+    dp = {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0}
+    plain, secure = plan("plain"), {"secure_aggregation": True}
+    check_client_plans({"plain": plain, "ok": plan("ok", dp | {"delta": 0.3}), "sa": plan("sa", secure)})
+    assert refusal(plain, plan("x", dp | {"delta": 0.4}), file="p.yaml") == (  # 0.4 >= 1/3
+        "p.yaml experiments.x: privacy.delta 0.4 >= 1/3 (1 / the number of clients) promises nothing; set it well below"
+    )
+    # N counts a late new client (4 clients: 0.3 >= 1/4); round 1's sum does not ("b", "c": 2 uploads)
+    assert refusal(plan("n", dp | {"delta": 0.3}, "abcd", new_client="d")).startswith("params.yaml experiments.n: ")
+    check_client_plans({"sa": plan("sa", secure, "bcd", new_client="d")})
+    assert refusal(plan("sa", secure, "cd", new_client="d")) == (
+        "params.yaml experiments.sa: privacy.secure_aggregation needs at least 2 clients in every round's sum; "
+        "1 clients x train.fraction_train 1.0 samples 1"
+    )
+    assert "0 clients x train.fraction_train 1.0" in refusal(
+        {k: v for k, v in plan("s", secure).items() if k != "clients"}
+    )
+    # m = int(10 x 0.5) = 5: adaptive clipping's default count noise 5 / 20 = 0.25 is below z = 1
+    adaptive = plan("a", {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive"}, "abcdefghij")
+    assert "(now 0.25; " in refusal(adaptive | {"train": {"fraction_train": 0.5, "rounds": 2}})
+    assert refusal(plan("t", {"mode": "client", "target_epsilon": 1e-6, "clipping_norm": 1.0})) == (
+        "params.yaml experiments.t: privacy.target_epsilon 1e-06 cannot be met with q=1 over 2 rounds "
+        "(The privacy budget is too low.)"
+    )
+    text = refusal(plan("v", {"mode": "client", "noise_multiplier": 1.0}))  # a privacy group not resolved
+    assert text.startswith("params.yaml experiments.v") and "clipping_norm must be set" in text
 
 
 def test_mode_client_enters_plans_with_its_own_keys_and_refuses_what_it_cannot_protect():

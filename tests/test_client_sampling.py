@@ -58,13 +58,14 @@ def test_poisson_sample_takes_each_client_independently_with_probability_q():
     assert poisson_sample(nodes, 1.0, rng) == nodes and poisson_sample(nodes, 0.0, rng) == []
 
 
-def test_the_wrapper_configures_the_poisson_sample_and_an_empty_sample_configures_nobody():
+def test_the_wrapper_configures_the_poisson_sample_and_an_empty_sample_configures_nobody(caplog):
     from flwr.app import ArrayRecord, ConfigRecord
 
     from pipeline.privacy.client_dp import SAMPLING_STREAM, poisson_sample
 
     strategy, setting = _fixed_wrapper(population=10, sampled=1)  # q = 0.1: P(empty) = 0.9^10 = 0.35
     assert setting.sample_rate == 0.1 and strategy.strategy.fraction_train == 1.0
+    caplog.set_level("INFO", logger="fedmeet.federated")  # an empty round says so in the log
     grid, seen_empty, seen_many = _Nodes(10), False, False
     for rnd in range(1, 30):
         messages = list(strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid))
@@ -72,6 +73,8 @@ def test_the_wrapper_configures_the_poisson_sample_and_an_empty_sample_configure
         assert sorted(m.metadata.dst_node_id for m in messages) == expected
         seen_empty |= not messages
         seen_many |= len(messages) > 1
+        said = f"round {rnd}: the Poisson sample of clients is empty: nothing to aggregate"
+        assert any(r.getMessage() == said for r in caplog.records) == (not messages), rnd
     assert seen_empty and seen_many
 
 
@@ -135,6 +138,28 @@ def test_the_recorded_epsilon_is_opacus_rdp_of_poisson_sampling_over_every_round
     else:  # no sampling: the Gaussian mechanism's RDP a / (2 z^2) per round, classical conversion
         assert eps <= min(rounds * a / (2 * z * z) + math.log(1e5) / (a - 1) for a in range(2, 64)) + 1e-9
     assert rows["a"]["sample_rate"] == q and rows["a"]["delta"] == 1e-5
+
+
+def test_a_rounds_rows_carry_the_setting_and_no_epsilon_without_noise():
+    """Each row of the round: its clip mark and norm, C, delta, z and q; with z = 0 the accountant's epsilon is inf,
+    written as None (JSON has no inf; "no bound")."""
+    from pipeline.privacy.accounting import federation_privacy
+    from pipeline.privacy.client_dp import ClientLevelDP
+
+    cfg = _client_cfg(noise_multiplier=0.0, clipping_norm=1.0)
+    setting = federation_privacy(cfg, population=4, sampled=2, rounds=3)
+    server = ClientLevelDP(SimpleNamespace(), SimpleNamespace(privacy=cfg, seed=0), setting)
+    rows = {"a": {"round": 2, "client": "a"}, "b": {"round": 2, "client": "b"}}
+    server.record(rows, {"a": (1, 2.0), "b": (0, None)}, 1.5)
+    same = {"clipping_norm": 1.5, "epsilon": None, "delta": 1e-5, "noise_multiplier": 0.0, "sample_rate": 0.5}
+    assert {k: rows["a"][k] for k in same} == same and (rows["a"]["update_clipped"], rows["a"]["update_norm"]) == (
+        1,
+        2.0,
+    )
+    assert {k: rows["b"][k] for k in same} == same and (rows["b"]["update_clipped"], rows["b"]["update_norm"]) == (
+        0,
+        None,
+    )
 
 
 def test_the_run_record_names_the_sampling_and_the_accountant_and_counts_empty_rounds(ws):
@@ -225,3 +250,30 @@ def test_a_failed_reply_is_left_out_and_the_round_still_releases_its_aggregate_a
     arrays, _ = strategy.aggregate_train(1, [failed(), _reply(g + update, 1)])
     noise = arrays["w"].numpy().astype(np.float64) - (g + update).astype(np.float32)
     assert abs(noise.mean()) < 0.5 and noise.std() == pytest.approx(20.0, rel=0.03)
+
+
+def test_a_redone_rounds_noise_is_drawn_from_its_own_stream(tmp_path):
+    """A round released once already (then killed) draws its n-th redo's noise from [seed, round, 2, n], not the
+    first release's [seed, round] again (the same noise on another sum: the two releases' difference in the clear),
+    and counts the release. Round 1 released once, an empty sample, z = C = m = 1: the global plus N(0, 1), drawn
+    here from numpy's generator."""
+    import json
+
+    from flwr.app import ConfigRecord
+
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.strategies.catalog import build_strategy
+    from pipeline.privacy.accounting import federation_privacy
+    from pipeline.privacy.client_dp import ClientLevelDP
+
+    _set_server_identity(1)
+    cfg = _client_cfg(noise_multiplier=1.0, clipping_norm=1.0)
+    (releases := tmp_path / "releases.json").write_text('{"1": 1}')
+    inner = build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3)
+    setting = federation_privacy(cfg, population=3, sampled=1, rounds=2)
+    strategy = ClientLevelDP(inner, SimpleNamespace(privacy=cfg, seed=0), setting, releases)
+    assert strategy.configure_train(1, _global(np.zeros(5)), ConfigRecord(), _Nodes(0)) == []
+    arrays, _ = strategy.aggregate_train(1, [])
+    expected = np.random.default_rng([strategy.seed, 1, 2, 1]).normal(0.0, 1.0, 5).astype(np.float32)
+    np.testing.assert_array_equal(arrays["w"].numpy(), expected)
+    assert json.loads(releases.read_text()) == {"1": 2}

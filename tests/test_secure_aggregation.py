@@ -1115,6 +1115,31 @@ def test_a_fractional_threshold_of_a_count_of_shares_is_refused_only_above_the_c
     names(secure_sum_problem(SecAggConfig(num_shares=7), 3, 3, 1.0), "0.67", "num_shares 7", "= 5", "3 clients")
 
 
+def test_secure_sum_problem_at_its_boundaries_by_hand():
+    """Each refusal at its edge, by hand: 3 shares at t = 1.0 is round(3) = 3 keys > 2 clients, at t = 0.5 is
+    max(round(1.5), 2) = 2 keys of 2; an integer threshold is Flower's count as given (3 of 5 shares, 4 clients);
+    2 clients x Q = 2**31 is 2**32 exactly, which wraps the modulus; the largest Q for 3 is 2**32 // 3."""
+    from pipeline.experiments.privacy import SecAggConfig
+    from pipeline.privacy.accounting import secure_sum_problem
+
+    assert secure_sum_problem(SecAggConfig(num_shares=3, reconstruction_threshold=1.0), 2, 2, 1.0) == (
+        "privacy.secagg.reconstruction_threshold 1 of num_shares 3 = 3 > the 2 clients of a round's sum: none unmasks"
+    )
+    assert secure_sum_problem(SecAggConfig(num_shares=3, reconstruction_threshold=0.5), 2, 2, 1.0) is None
+    assert secure_sum_problem(SecAggConfig(num_shares=5, reconstruction_threshold=3), 4, 4, 1.0) is None
+    assert secure_sum_problem(SecAggConfig(quantization_range=2**31), 2, 2, 1.0) == (
+        "privacy.secagg.quantization_range 2147483648 x 2 clients >= 2**32: the masked sum would wrap around; "
+        "lower it below 2147483648"
+    )
+    assert secure_sum_problem(SecAggConfig(quantization_range=2**31 - 1), 2, 2, 1.0) is None
+    assert secure_sum_problem(SecAggConfig(quantization_range=2**31), 3, 3, 1.0).endswith("below 1431655765")
+    assert secure_sum_problem(SecAggConfig(), 2, 2, 1.0) is None  # 2 a round: the smallest sum that runs
+    assert secure_sum_problem(SecAggConfig(), 3, 2, 0.99) == (
+        "privacy.secure_aggregation needs at least 2 clients in every round's sum; 2 clients x train.fraction_train "
+        "0.99 samples 1"
+    )
+
+
 @pytest.mark.parametrize(
     "entry, problem",
     [  # by hand: max(int(3 x 0.5), 1) = 1 upload a round; 3 x 2**31 = 1.5 x 2**32 wraps the masked sum

@@ -31,6 +31,8 @@ CORE = (
     "results.stats",
     "partitioning.schemes",
     "training.stopping",
+    "privacy.accounting",
+    "privacy.client_dp",
 )
 
 # mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.
