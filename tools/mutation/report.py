@@ -31,6 +31,8 @@ CORE = (
     "results.stats",
     "partitioning.schemes",
     "training.stopping",
+    "training.local_batch",
+    "training.set_engine",
 )
 
 # mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.
