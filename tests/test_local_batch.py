@@ -553,3 +553,25 @@ def test_adamw_decays_the_matrices_of_a_stack_and_of_the_models_own_adapters():
         assert sorted(p.ndim for p in groups[1]["params"]) == [matrix - 1] * 8  # biases and LayerNorms
     every = adamw_groups(list(adapters.parameters()), TrainConfig(weight_decay=0.25, decay_norm_and_bias=True))
     assert len(every[0]["params"]) == 12 and every[1]["params"] == []
+
+
+def test_a_group_trains_in_training_mode_and_shows_its_bar_only_when_a_job_asks(ws, monkeypatch, capsys):
+    """The top layers run in training mode (a real backbone's dropout; the tiny models have none, so only the mode
+    tells) and the model is left in evaluation mode; a progress bar named by client, round and runs is drawn only
+    when a job of the group asks for one (tqdm on stderr, captured here: not a terminal), and erased at the end."""
+    from pipeline.modeling.model import AdapterSummarizer
+
+    jobs, _, local_batch = _jobs(monkeypatch)
+    modes, path_logits = [], AdapterSummarizer.path_logits
+    monkeypatch.setattr(
+        AdapterSummarizer, "path_logits", lambda m, *a, **k: modes.append(m.training) or path_logits(m, *a, **k)
+    )
+    capsys.readouterr()
+    local_batch.train_group(jobs)
+    assert modes and all(modes) and not jobs[0].model.training
+    assert capsys.readouterr().err == ""
+    jobs[1].progress = True
+    local_batch.train_group(jobs)
+    err = capsys.readouterr().err
+    assert f"{CLIENT} round 1 ({len(jobs)} runs)" in err
+    assert err.endswith("\r") and "\n" not in err  # erased when the group ends: the next group's bar takes its line
