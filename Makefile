@@ -89,7 +89,7 @@ reliability: setup
 # survivor's diff, for review (a missing test, or a mutant that cannot change behaviour), and writes the score
 # table to reports/mutation.md. MUTANTS_JOBS parallel mutants at MUTANTS_NICE (leave a core to other work).
 MODULES ?= modeling.losses federation.strategies federation.compression results.stats partitioning.schemes \
-	training.stopping privacy.accounting privacy.client_dp
+	training.stopping training.local_batch training.set_engine privacy.accounting privacy.client_dp
 MUTANTS_JOBS ?= 1
 MUTANTS_NICE ?= 10
 mutants: setup

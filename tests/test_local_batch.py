@@ -50,14 +50,24 @@ def _jobs(monkeypatch, batch_size: int = 2):
 def test_runs_sharing_micro_batches_train_stacked_and_each_as_alone(ws, monkeypatch):
     jobs, alone, local_batch = _jobs(monkeypatch)
     assert len({job.group_key() for job in jobs}) == 1
+    from pipeline.modeling.model import AdapterSummarizer
+
+    computed, compute_prefix = [], AdapterSummarizer.compute_prefix  # patched on the class: the model is shared
+    monkeypatch.setattr(
+        AdapterSummarizer, "compute_prefix", lambda m, b: computed.append(len(b)) or compute_prefix(m, b)
+    )
     before = dict(local_batch.STATS)
     outputs = local_batch.train_jobs(jobs)
+    # the frozen prefix of a micro-batch the runs share: computed once, for its own rows (then repeated)
+    assert computed == [len(b) for step in jobs[0].steps for b, _ in step]
     assert (
         local_batch.STATS["groups"] - before["groups"],
         local_batch.STATS["runs_stacked"] - before["runs_stacked"],
+        local_batch.STATS["stacked_steps"] - before["stacked_steps"],  # one a micro-batch of the group
     ) == (
         1,
         len(METHODS),
+        sum(len(step) for step in jobs[0].steps),
     )
     for method, job, out in zip(METHODS, jobs, outputs):
         result, state = alone[method]
@@ -206,9 +216,9 @@ def test_the_logits_budget_is_an_eighth_of_a_large_gpu_and_two_gib_elsewhere(mon
 
     assert local_batch.logits_budget_bytes(torch.device("cpu")) == 2 * 2**30
     for total, budget in ((80 * 10**9, 10**10), (8 * 10**9, 2 * 2**30)):
-        properties = SimpleNamespace(total_memory=total)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=properties: p)
-        assert local_batch.logits_budget_bytes(torch.device("cuda", 0)) == budget
+        gpus = {torch.device("cuda", 1): SimpleNamespace(total_memory=total)}  # the model's GPU, not the current one
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, gpus=gpus: gpus[device])
+        assert local_batch.logits_budget_bytes(torch.device("cuda", 1)) == budget
 
 
 class _DeviceValues(TorchFunctionMode):
@@ -377,3 +387,191 @@ def test_a_stacked_step_keeps_every_tensor_on_the_device(monkeypatch, kind):
     assert student.shape[0] == 2 * n_tokens and taught.shape[0] == n_tokens
     made = [student, taught, loss, *local.parameters(), *(p.grad for p in local.parameters())]
     assert {t.device.type for t in made + [o.gate_rows for o in outs]} == {"meta"}
+
+
+def test_a_group_trains_every_tensor_on_the_models_device(ws, monkeypatch):
+    """train_group as a whole on a device (not only its step, above): the stacked adapters and the teacher's, the
+    steps' weights and the optimizer made on the model's device, the host's labels, masks and hard-KD masks moved
+    there by what reads them. Four runs of one group (CE, selective KD, KD on every token, hard KD) on PyTorch's
+    meta device read as a GPU (``is_cuda``), every operation checked as CUDA checks it (tests/test_losses.py's
+    ``_OneDevice``); prefixes made on the host first (the HF encoder reads mask values), autocast left out; the
+    trained states are the device's leaves (AdapterStack.states copies to the host, which meta cannot)."""
+    import contextlib
+    import copy
+    import dataclasses
+
+    from pipeline.modeling.adapter_stack import AdapterStack
+    from pipeline.modeling.model import Prefix
+    from tests.test_losses import _OneDevice
+
+    jobs, _, local_batch = _jobs(monkeypatch)
+    jobs = [job for job in jobs if job.proximal is None]  # FedProx's reference is placed by its Proximal
+    model = copy.deepcopy(jobs[0].model)
+    jobs = [dataclasses.replace(job, model=model) for job in jobs]  # their adapters read from the copy, on the host
+    prefixes = {
+        tuple(b.example_ids): Prefix(*(t.to("meta") for t in vars(model.compute_prefix(b)).values()))
+        for step in jobs[0].steps
+        for b, _ in step
+    }
+    model.to("meta")
+    monkeypatch.setattr(model, "device", torch.device("meta"))
+    monkeypatch.setattr(model, "compute_prefix", lambda batch: prefixes[tuple(batch.example_ids)])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
+    monkeypatch.setattr(
+        AdapterStack, "states", lambda self: [{k: self.parameter_of(k)[r] for k in self.keys} for r in range(self.runs)]
+    )
+    with _OneDevice():
+        outputs = local_batch.train_group(jobs)
+    assert {job.teacher is None for job in jobs} == {True, False} and any(job.masks is not None for job in jobs)
+    made = [t for out in outputs for t in (*out.state.values(), *(o.loss for _, o in out.outputs))]
+    assert made and {t.device.type for t in made} == {"meta"}
+
+
+def test_jobs_of_another_model_cache_optimizer_length_or_steps_never_share_a_group():
+    """A group trains with its first job's model, prefix cache, AdamW settings and length limits and steps through
+    its micro-batches: a job differing in any of them has a group key of its own."""
+    from types import SimpleNamespace
+
+    from pipeline.training.local_batch import LocalJob
+
+    class Model:  # what a job reads of its model when it is made
+        def adapter_state(self, name):
+            return {}
+
+    def job(model, cache=None, lr=1e-3, decay=0.01, norms=False, lengths=(64, 12), steps=(2, 1)):
+        train = SimpleNamespace(lr=lr, weight_decay=decay, decay_norm_and_bias=norms)
+        plan = SimpleNamespace(train=train, model=dict(zip(("max_source_length", "max_target_length"), lengths)))
+        return LocalJob(model, plan, "c", 1, None, [[(None, 1.0)] * n for n in steps], cache=cache)
+
+    model = Model()
+    same = job(model).group_key()
+    assert job(model).group_key() == same
+    others = [
+        job(Model()),
+        job(model, cache=object()),
+        job(model, lr=2e-3),
+        job(model, decay=0.0),
+        job(model, norms=True),
+        job(model, lengths=(32, 12)),
+        job(model, lengths=(64, 8)),
+        job(model, steps=(2, 2)),
+        job(model, steps=(2,)),
+    ]
+    keys = [other.group_key() for other in others]  # the jobs (their models and caches) kept alive meanwhile
+    assert same not in keys and len(set(keys)) == len(keys)
+
+
+def test_a_failed_group_is_retrained_job_by_job_and_a_lone_job_that_fails_is_not_retried(caplog):
+    """_in_groups: a group's call that raises is made again for each of its jobs alone (a group of two too), so
+    one job's error fails no other, with one warning naming the group and its error; a job alone that fails is
+    called once (retrying it would only repeat its error), its exception its result."""
+    import logging
+    from types import SimpleNamespace
+
+    from pipeline.training import local_batch
+
+    embeddings = SimpleNamespace(weight=torch.zeros(7, 2))
+    model = SimpleNamespace(
+        device=torch.device("cpu"), backbone=SimpleNamespace(get_output_embeddings=lambda: embeddings)
+    )
+
+    class Job:
+        def __init__(self, name, key=0):
+            self.name, self.key, self.model = name, key, model
+            self.steps = [[(SimpleNamespace(target_tokens=3), 1.0)]]
+
+        def group_key(self):
+            return self.key
+
+    calls = []
+
+    def call(group):
+        calls.append([job.name for job in group])
+        if any(job.name == "bad" for job in group):
+            raise RuntimeError("disk full")
+        return [job.name.upper() for job in group]
+
+    with caplog.at_level(logging.WARNING, logger=local_batch.__name__):
+        out = local_batch._in_groups([Job("a"), Job("bad"), Job("lone", key=1)], call)
+    assert calls == [["a", "bad"], ["a"], ["bad"], ["lone"]]
+    assert out[0] == "A" and out[2] == "LONE" and isinstance(out[1], RuntimeError) and str(out[1]) == "disk full"
+    assert [r.getMessage() for r in caplog.records] == ["a group of 2 jobs failed (disk full); each is trained alone"]
+    calls.clear()
+    out = local_batch._in_groups([Job("bad")], call)
+    assert calls == [["bad"]] and isinstance(out[0], RuntimeError)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_students_forward_is_bfloat16_exactly_when_asked_whatever_the_devices_autocast_default(bf16):
+    """stacked_logits asks autocast for bfloat16 itself: CUDA's autocast default is float16, which would round the
+    student's logits to 10 bits instead of bf16's 8-bit exponent range; without ``bf16`` no autocast at all. Here
+    on the host, with the host's autocast default set to float16 as CUDA's is."""
+    from pipeline.modeling.adapter_stack import AdapterStack
+    from pipeline.modeling.adapters import AdapterConfig
+    from pipeline.modeling.batching import collate, tokenize_pairs
+    from pipeline.modeling.model import AdapterSummarizer
+    from pipeline.training.local_batch import stacked_logits
+    from tests.test_model import FRAME, LENGTHS
+    from tests.tiny_models import tiny
+
+    backbone, tokenizer = tiny("bert2bert")  # its LM head ends in a Linear: the logits keep autocast's dtype
+    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    examples = tokenize_pairs(
+        tokenizer, FRAME.assign(example_id=["a", "b", "c"]), LENGTHS, model.decoder_start_token_id
+    )
+    batch = collate(examples, model.pad_token_id, model.decoder_start_token_id)
+    local = AdapterStack([model.adapter_state("local")], model.adapter_sets["local"], "cpu")
+    default = torch.get_autocast_dtype("cpu")
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        student, _ = stacked_logits(
+            model, model.compute_prefix(batch), batch.labels, batch.attention_mask, local, None, 0, bf16
+        )
+    finally:
+        torch.set_autocast_dtype("cpu", default)
+    assert student.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    assert student.shape[0] == int((batch.labels != -100).sum())
+
+
+def test_adamw_decays_the_matrices_of_a_stack_and_of_the_models_own_adapters():
+    """The batched trainer's optimizer (stacked leaves: a run's matrix has 3 dimensions, its LayerNorm weights and
+    biases 2) and a DP round's (the model's own adapters, ``adamw_groups``'s default: 2 and 1) decay the adapter
+    matrices only, unless ``decay_norm_and_bias``."""
+    from pipeline.experiments.train_config import TrainConfig
+    from pipeline.modeling.adapter_stack import AdapterStack
+    from pipeline.modeling.adapters import AdapterConfig, AdapterSet
+    from pipeline.training.local_batch import adamw_groups
+
+    adapters = AdapterSet(16, AdapterConfig(top_k=2, bottleneck=4, seed=0), [None, None])
+    stack = AdapterStack([adapters.state()] * 3, adapters, "cpu")
+    cfg = TrainConfig(weight_decay=0.25)
+    for params, matrix in ((list(adapters.parameters()), 2), (list(stack.parameters()), 3)):
+        groups = adamw_groups(params, cfg) if matrix == 2 else adamw_groups(params, cfg, matrix)
+        assert [g["weight_decay"] for g in groups] == [0.25, 0.0]
+        assert sorted(p.ndim for p in groups[0]["params"]) == [matrix] * 4  # down and up, two layers
+        assert sorted(p.ndim for p in groups[1]["params"]) == [matrix - 1] * 8  # biases and LayerNorms
+    every = adamw_groups(list(adapters.parameters()), TrainConfig(weight_decay=0.25, decay_norm_and_bias=True))
+    assert len(every[0]["params"]) == 12 and every[1]["params"] == []
+
+
+def test_a_group_trains_in_training_mode_and_shows_its_bar_only_when_a_job_asks(ws, monkeypatch, capsys):
+    """The top layers run in training mode (a real backbone's dropout; the tiny models have none, so only the mode
+    tells) and the model is left in evaluation mode; a progress bar named by client, round and runs is drawn only
+    when a job of the group asks for one (tqdm on stderr, captured here: not a terminal), and erased at the end."""
+    from pipeline.modeling.model import AdapterSummarizer
+
+    jobs, _, local_batch = _jobs(monkeypatch)
+    modes, path_logits = [], AdapterSummarizer.path_logits
+    monkeypatch.setattr(
+        AdapterSummarizer, "path_logits", lambda m, *a, **k: modes.append(m.training) or path_logits(m, *a, **k)
+    )
+    capsys.readouterr()
+    local_batch.train_group(jobs)
+    assert modes and all(modes) and not jobs[0].model.training
+    assert capsys.readouterr().err == ""
+    jobs[1].progress = True
+    local_batch.train_group(jobs)
+    err = capsys.readouterr().err
+    assert f"{CLIENT} round 1 ({len(jobs)} runs)" in err
+    assert err.endswith("\r") and "\n" not in err  # erased when the group ends: the next group's bar takes its line

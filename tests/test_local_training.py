@@ -232,12 +232,23 @@ def test_norms_and_biases_decay_too_when_asked(ws):
         _assert_sign_step(new[k] - w0[k] * (1 - lr * wd), lr, k)
 
 
-def test_accumulated_micro_batches_make_the_step_of_the_whole_batch(ws):
-    plan, model, train, w0 = _setup("local-accum-whole", lr=1e-3, batch_size=6, grad_accum_steps=1)
-    _train(plan, model, train)
+@pytest.mark.parametrize("method", ["fedavg", "fedprox"])
+def test_accumulated_micro_batches_make_the_step_of_the_whole_batch(ws, method):
+    """FedProx: the proximal term counts once a step, each micro-batch's share of it weighted as its loss is (a
+    reference away from the start, so its gradient competes with the loss's in the first, sign-like, step)."""
+    prox = {"proximal_mu": 1.0} if method == "fedprox" else {}
+    plan, model, train, w0 = _setup(
+        f"local-accum-whole-{method}", method, lr=1e-3, batch_size=6, grad_accum_steps=1, **prox
+    )
+    g = torch.Generator().manual_seed(3)
+    reference = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in w0.items()}
+    kw = {"proximal_reference": reference, "proximal_mu": 1.0} if prox else {}
+    _train(plan, model, train, **kw)
     whole = model.adapter_state("local")
-    plan2, model2, train2, _ = _setup("local-accum-parts", lr=1e-3, batch_size=2, grad_accum_steps=3)
-    result = _train(plan2, model2, train2)
+    plan2, model2, train2, _ = _setup(
+        f"local-accum-parts-{method}", method, lr=1e-3, batch_size=2, grad_accum_steps=3, **prox
+    )
+    result = _train(plan2, model2, train2, **kw)
     assert result.n_steps == 1
     parts = model2.adapter_state("local")
     for k in whole:

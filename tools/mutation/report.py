@@ -31,6 +31,8 @@ CORE = (
     "results.stats",
     "partitioning.schemes",
     "training.stopping",
+    "training.local_batch",
+    "training.set_engine",
     "privacy.accounting",
     "privacy.client_dp",
 )
