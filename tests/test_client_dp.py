@@ -327,22 +327,17 @@ def test_client_side_mod_clips_the_reply_and_marks_it(ws, server_identity):
     np.testing.assert_allclose(arrays["w"].numpy(), g + [0.45, 0.6], rtol=1e-6)
 
 
+# Adaptive clipping as the two tests below move C: Andrew et al.'s rule at lr 0.2, aiming to clip half the updates.
+ADAPTIVE = {"clipping": "adaptive", "clip_norm_lr": 0.2, "target_clipped_quantile": 0.5}
+
+
 def test_adaptive_clipping_moves_c_by_the_noisy_clipped_count():
     """Andrew et al.'s C <- C exp(lr ((clipped + N(0, sigma_b^2)) / m - target)): the count released to move C is
     noisy (its noise is what the accountant counts with z_u). By hand: 4 clients of update norms 0.5, 5, 6, 7 at C = 1
     (3 clipped), sigma_b = 0.8, lr 0.2, target 0.5; the count's noise is the first draw of the round's generator
     [seed, round], taken here from numpy directly."""
     g = np.zeros(2)
-    strategy, _ = _wrapped(
-        4,
-        _global(g),
-        noise_multiplier=0.5,
-        clipping="adaptive",
-        clipping_norm=1.0,
-        clipped_count_stddev=0.8,
-        clip_norm_lr=0.2,
-        target_clipped_quantile=0.5,
-    )
+    strategy, _ = _wrapped(4, _global(g), noise_multiplier=0.5, clipping_norm=1.0, clipped_count_stddev=0.8, **ADAPTIVE)
     strategy.aggregate_train(1, [_reply([n, 0.0], 1) for n in (0.5, 5.0, 6.0, 7.0)])
     noise = np.random.default_rng([strategy.seed, 1]).normal(0.0, 0.8)
     assert abs(noise) > 0.05  # a draw that tells a noiseless count from this one
@@ -363,15 +358,7 @@ def test_adaptive_clipping_settles_where_the_target_fraction_is_clipped(side):
     from pipeline.privacy.client_dp import ClientLevelDP
 
     _set_server_identity(1)
-    cfg = _client_cfg(
-        noise_multiplier=0.0,
-        clipping="adaptive",
-        clipping_norm=0.1,
-        clipped_count_stddev=0.0,
-        clip_norm_lr=0.2,
-        target_clipped_quantile=0.5,
-        clipping_side=side,
-    )
+    cfg = _client_cfg(noise_multiplier=0.0, clipping_norm=0.1, clipped_count_stddev=0.0, clipping_side=side, **ADAPTIVE)
     strategy = ClientLevelDP(
         build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3),
         SimpleNamespace(privacy=cfg, seed=0),

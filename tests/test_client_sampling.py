@@ -152,14 +152,9 @@ def test_a_rounds_rows_carry_the_setting_and_no_epsilon_without_noise():
     rows = {"a": {"round": 2, "client": "a"}, "b": {"round": 2, "client": "b"}}
     server.record(rows, {"a": (1, 2.0), "b": (0, None)}, 1.5)
     same = {"clipping_norm": 1.5, "epsilon": None, "delta": 1e-5, "noise_multiplier": 0.0, "sample_rate": 0.5}
-    assert {k: rows["a"][k] for k in same} == same and (rows["a"]["update_clipped"], rows["a"]["update_norm"]) == (
-        1,
-        2.0,
-    )
-    assert {k: rows["b"][k] for k in same} == same and (rows["b"]["update_clipped"], rows["b"]["update_norm"]) == (
-        0,
-        None,
-    )
+    for client, (mark, norm) in {"a": (1, 2.0), "b": (0, None)}.items():
+        expected = same | {"update_clipped": mark, "update_norm": norm}
+        assert {k: rows[client][k] for k in expected} == expected, client
 
 
 def test_the_run_record_names_the_sampling_and_the_accountant_and_counts_empty_rounds(ws):

@@ -336,6 +336,33 @@ def test_a_client_round_reads_its_results_from_the_device_in_a_few_transfers_wha
         assert round_sums(outputs) == one_by_one and 0 < one_by_one["kd_tokens"] < one_by_one["tokens"]
 
 
+def _tiny_model_and_batch(kind: str):
+    """A tiny backbone's AdapterSummarizer (two top layers adapted) on the host and one batch of three examples."""
+    from pipeline.modeling.adapters import AdapterConfig
+    from pipeline.modeling.batching import collate, tokenize_pairs
+    from pipeline.modeling.model import AdapterSummarizer
+    from tests.test_model import FRAME, LENGTHS
+    from tests.tiny_models import tiny
+
+    backbone, tokenizer = tiny(kind)
+    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    examples = tokenize_pairs(
+        tokenizer, FRAME.assign(example_id=["a", "b", "c"]), LENGTHS, model.decoder_start_token_id
+    )
+    return model, collate(examples, model.pad_token_id, model.decoder_start_token_id)
+
+
+def _read_as_gpu(monkeypatch, model) -> None:
+    """``model`` moved to PyTorch's meta device (shapes, no values) and every tensor read as a GPU's (``is_cuda``);
+    autocast left out (it refuses the meta device)."""
+    import contextlib
+
+    model.to("meta")
+    monkeypatch.setattr(model, "device", torch.device("meta"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
+
+
 @pytest.mark.parametrize("kind", ["bart", "bert2bert"])
 def test_a_stacked_step_keeps_every_tensor_on_the_device(monkeypatch, kind):
     """A tensor made or left on the host beside the device's (a ``device=`` or ``.to(device)`` left out) fails only
@@ -347,31 +374,17 @@ def test_a_stacked_step_keeps_every_tensor_on_the_device(monkeypatch, kind):
     from ``AdapterSet.state()``, which copies every tensor to the host). The prefix is made on the host first (the
     HF encoder's mask builder reads values, which a meta tensor has not); autocast is left out (it refuses the meta
     device)."""
-    import contextlib
-
     from pipeline.modeling.adapter_stack import AdapterStack
-    from pipeline.modeling.adapters import AdapterConfig
-    from pipeline.modeling.batching import collate, tokenize_pairs
     from pipeline.modeling.losses import KDConfig, distillation_losses
-    from pipeline.modeling.model import AdapterSummarizer, Prefix
+    from pipeline.modeling.model import Prefix
     from pipeline.training.local_batch import stacked_logits
     from tests.test_losses import _OneDevice
-    from tests.test_model import FRAME, LENGTHS
-    from tests.tiny_models import tiny
 
-    backbone, tokenizer = tiny(kind)
-    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
-    examples = tokenize_pairs(
-        tokenizer, FRAME.assign(example_id=["a", "b", "c"]), LENGTHS, model.decoder_start_token_id
-    )
-    batch = collate(examples, model.pad_token_id, model.decoder_start_token_id)
+    model, batch = _tiny_model_and_batch(kind)
     prefix = model.compute_prefix(batch)
     states = [model.adapter_state("local"), model.adapter_state("global")]
-    model.to("meta")
-    monkeypatch.setattr(model, "device", torch.device("meta"))
+    _read_as_gpu(monkeypatch, model)
     prefix = Prefix(*(t.to("meta") for t in vars(prefix).values())).repeat(2)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
     with _OneDevice():
         local = AdapterStack(states, model.adapter_sets["local"], model.device)
         teacher = AdapterStack(states[1:], model.adapter_sets["local"], model.device).requires_grad_(False)
@@ -396,7 +409,6 @@ def test_a_group_trains_every_tensor_on_the_models_device(ws, monkeypatch):
     meta device read as a GPU (``is_cuda``), every operation checked as CUDA checks it (tests/test_losses.py's
     ``_OneDevice``); prefixes made on the host first (the HF encoder reads mask values), autocast left out; the
     trained states are the device's leaves (AdapterStack.states copies to the host, which meta cannot)."""
-    import contextlib
     import copy
     import dataclasses
 
@@ -413,11 +425,8 @@ def test_a_group_trains_every_tensor_on_the_models_device(ws, monkeypatch):
         for step in jobs[0].steps
         for b, _ in step
     }
-    model.to("meta")
-    monkeypatch.setattr(model, "device", torch.device("meta"))
+    _read_as_gpu(monkeypatch, model)
     monkeypatch.setattr(model, "compute_prefix", lambda batch: prefixes[tuple(batch.example_ids)])
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
     monkeypatch.setattr(
         AdapterStack, "states", lambda self: [{k: self.parameter_of(k)[r] for k in self.keys} for r in range(self.runs)]
     )
@@ -508,19 +517,9 @@ def test_the_students_forward_is_bfloat16_exactly_when_asked_whatever_the_device
     student's logits to 10 bits instead of bf16's 8-bit exponent range; without ``bf16`` no autocast at all. Here
     on the host, with the host's autocast default set to float16 as CUDA's is."""
     from pipeline.modeling.adapter_stack import AdapterStack
-    from pipeline.modeling.adapters import AdapterConfig
-    from pipeline.modeling.batching import collate, tokenize_pairs
-    from pipeline.modeling.model import AdapterSummarizer
     from pipeline.training.local_batch import stacked_logits
-    from tests.test_model import FRAME, LENGTHS
-    from tests.tiny_models import tiny
 
-    backbone, tokenizer = tiny("bert2bert")  # its LM head ends in a Linear: the logits keep autocast's dtype
-    model = AdapterSummarizer(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
-    examples = tokenize_pairs(
-        tokenizer, FRAME.assign(example_id=["a", "b", "c"]), LENGTHS, model.decoder_start_token_id
-    )
-    batch = collate(examples, model.pad_token_id, model.decoder_start_token_id)
+    model, batch = _tiny_model_and_batch("bert2bert")  # its LM head ends in a Linear: the logits keep autocast's dtype
     local = AdapterStack([model.adapter_state("local")], model.adapter_sets["local"], "cpu")
     default = torch.get_autocast_dtype("cpu")
     torch.set_autocast_dtype("cpu", torch.float16)
