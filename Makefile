@@ -94,6 +94,10 @@ MUTANTS_JOBS ?= 1
 MUTANTS_NICE ?= 10
 mutants: setup
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install -q -e '.[mutation]'
+	# mutmut 3.8.1 copies an also_copy file into mutants/ without making its folder (a fresh clone's first run failed
+	# on mutants/docs/privacy.md): the folders first
+	$(BIN)/python -c "import pathlib, tomllib; [pathlib.Path('mutants', p).parent.mkdir(parents=True, exist_ok=True) \
+		for p in tomllib.load(open('pyproject.toml', 'rb'))['tool']['mutmut']['also_copy']]"
 	nice -n $(MUTANTS_NICE) $(BIN)/mutmut run --max-children $(MUTANTS_JOBS) $(foreach m,$(MODULES),'pipeline.$(m).*')
 	$(BIN)/python -m tools.mutation.report --summary reports/mutation.md
 
