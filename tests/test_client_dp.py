@@ -194,8 +194,9 @@ def _reply(values, num_examples: int, extra: dict | None = None):
     return Message(content, reply_to=ins)
 
 
-def _wrapped(n_nodes: int, global_arrays, **privacy):
-    """FedAvg in the plan's DP strategy, after configure_train of round 1 over ``n_nodes`` nodes."""
+def _wrapped(n_nodes: int, global_arrays, seed: int = 0, **privacy):
+    """FedAvg in the DP strategy of a plan of experiment seed ``seed``, after configure_train of round 1 over
+    ``n_nodes`` nodes."""
     from flwr.app import ConfigRecord
 
     from pipeline.federation.client_app import client_app
@@ -207,7 +208,9 @@ def _wrapped(n_nodes: int, global_arrays, **privacy):
     cfg = _client_cfg(**privacy)
     setting = federation_privacy(cfg, population=n_nodes, sampled=n_nodes, rounds=1)
     strategy = ClientLevelDP(
-        build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0), setting
+        build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3),
+        SimpleNamespace(privacy=cfg, seed=seed),
+        setting,
     )
     grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(n_nodes)])
     messages = list(strategy.configure_train(1, global_arrays, ConfigRecord(), grid))
@@ -224,6 +227,25 @@ def test_server_side_clipping_bounds_each_update_and_weighs_clients_equally():
     arrays, _ = strategy.aggregate_train(1, [big, small])
     np.testing.assert_allclose(arrays["w"].numpy(), g + ([0.6, 0.8] + np.array([0.3, 0.4])) / 2, rtol=1e-6)
     assert strategy.strategy.weighted_by_key == "num-examples"  # restored for the evaluate replies
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_a_round_of_k_of_m_expected_replies_moves_w_by_their_sum_over_m(k):
+    """DP-FedAvg divides the sum of the k clipped updates by the expected count m, not by k: W + sum / m (W itself
+    where nobody replied), in the global's dtype. By hand: m = 4, updates (1, 2), (3, 4) and (5, 6), none clipped."""
+    g = np.array([1.0, -1.0])
+    strategy, _ = _wrapped(4, _global(g), noise_multiplier=0.0, clipping_norm=100.0)
+    updates = [np.array([1.0, 2.0]), np.array([3.0, 4.0]), np.array([5.0, 6.0])][:k]
+    arrays, _ = strategy.aggregate_train(1, [_reply(g + u, 1) for u in updates])
+    released = arrays["w"].numpy()
+    assert released.dtype == np.float32
+    np.testing.assert_allclose(released, g + sum(updates, np.zeros(2)) / 4, rtol=1e-6)
+
+
+def test_the_strategy_logs_its_setting_with_its_delta(caplog):
+    with caplog.at_level("INFO", logger="fedmeet.federated"):
+        _wrapped(4, _global(np.zeros(2)), noise_multiplier=0.7, clipping_norm=0.5, delta=1e-3)
+    assert "client-level DP, z=0.7, C=0.5, 4 of 4 clients per round, delta=0.001" in caplog.text
 
 
 def test_a_reply_with_its_arrays_in_another_order_is_clipped_key_by_key():
@@ -320,6 +342,19 @@ def test_client_side_mod_clips_the_reply_and_marks_it(ws, server_identity):
     np.testing.assert_allclose(big.content["arrays"]["w"].numpy(), g + [0.6, 0.8], rtol=1e-6)
     np.testing.assert_allclose(small.content["arrays"]["w"].numpy(), g + [0.3, 0.4], rtol=1e-6)
     assert (big.content["metrics"]["dp-update-clipped"], small.content["metrics"]["dp-update-clipped"]) == (1, 0)
+    # An update of norm 0 is not clipped: C / 0 with the wire's Python float C raised ZeroDivisionError in Flower's mod
+    unchanged = send(np.zeros(2))
+    np.testing.assert_array_equal(unchanged.content["arrays"]["w"].numpy(), g)
+    assert unchanged.content["metrics"]["dp-update-clipped"] == 0
+    # SecAgg+'s masked-vector stage hands the handler Flower's legacy FitIns (clipped inside legacy_fit): it passes
+    legacy = Message(
+        RecordDict({"fitins.parameters": _global(g), "config": ConfigRecord({"plan": path})}),
+        dst_node_id=1,
+        message_type="train",
+    )
+    handed = []
+    assert client_dp_mod(legacy, context, lambda m, c: handed.append(m) or "its reply") == "its reply"
+    assert handed == [legacy]
     # client-side clipping: the server averages what the clients clipped, uniformly, and sends C in the train config
     strategy, messages = _wrapped(2, _global(g), noise_multiplier=0.0, clipping_norm=1.0, clipping_side="client")
     assert all(m.content["config"][KEY_CLIPPING_NORM] == 1.0 for m in messages)
@@ -400,17 +435,18 @@ def test_noise_has_the_configured_standard_deviation(clipping, sigma, c, expecte
     if clipping == "adaptive":
         privacy["clipped_count_stddev"] = 1.0
     draws = []
-    for rnd in (1, 1, 2):
-        strategy, _ = _wrapped(4, _global(g), **privacy)
+    for rnd, seed in ((1, 0), (1, 0), (2, 0), (1, 1)):
+        strategy, _ = _wrapped(4, _global(g), seed, **privacy)
         arrays, _ = strategy.aggregate_train(rnd, [_reply(g, 1) for _ in range(4)])  # zero updates: noise only
         draws.append(arrays["w"].numpy().astype(np.float64))
-    a, again, b = draws
+    a, again, b, other_seed = draws
     n = a.size
     assert abs(a.std() - expected_std) < 5 * expected_std / math.sqrt(2 * n)  # 5 standard errors of the std
     assert abs(a.mean()) < 5 * expected_std / math.sqrt(n)
     assert stats.kstest(a / expected_std, "norm").pvalue > 1e-3
     np.testing.assert_array_equal(a, again)  # seeded per (experiment seed, round): a resumed run draws the same
     assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(n)  # and a fresh draw every round
+    assert abs(np.corrcoef(a, other_seed)[0, 1]) < 5 / math.sqrt(n)  # and for every experiment seed
 
 
 # ------------------------------------------------------------------------------------------ params and plans
@@ -803,7 +839,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
 
 
 @pytest.mark.parametrize("killed, damaged", [(1, False), (2, False), (1, True)], ids=["1", "2", "1-record-damaged"])
-def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws, monkeypatch, killed, damaged):
+def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws, monkeypatch, caplog, killed, damaged):
     """fedavg's evaluate step sends round r's noisy global to every client before the server checkpoint of round r:
     a server killed in between redoes round r on resuming, and a client that failed in the first attempt and not in
     the second made the two releases differ by its clipped update / m alone if they drew the same noise. Each
@@ -811,15 +847,15 @@ def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws
     both (3 releases in 2 rounds: opacus' RDP at q = 1 over 3 steps, computed here directly). Round 1 too: the
     train stage restarts a run killed before its first checkpoint in a clean run directory; when the run's record
     (experiment.json) is damaged, whose releases they were cannot be read: they are kept and counted again."""
+    from pipeline.experiments.plans import read_plan
     from pipeline.federation import client_app, server_app
     from pipeline.train import run_experiment
     from tests.faults import Killed
     from tests.test_client_sampling import _opacus_rdp_epsilon
 
     z, c, m = 1.0, 1e-3, 3  # every client every round (q = 1)
-    path = _with_privacy(
-        write_plan("cdp-redo", "fedavg"), {"mode": "client", "noise_multiplier": z, "clipping_norm": c}
-    )
+    name = f"cdp-redo-{killed}{'-damaged' if damaged else ''}"  # each case its own run: none finds another's files
+    path = _with_privacy(write_plan(name, "fedavg"), {"mode": "client", "noise_multiplier": z, "clipping_norm": c})
     released, real_train, real_evaluate, attempt = [], client_app.train_round, server_app._evaluate, [1]
 
     def train(msg, context):
@@ -842,14 +878,16 @@ def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws
     monkeypatch.setattr(server_app, "_evaluate", evaluate)
     with pytest.raises(Killed):
         run_experiment(path, track=False)
-    if damaged:
-        Path("models/cdp-redo/experiment.json").write_text('{"experiment": "cdp-re')  # cut short
+    if damaged:  # the killed run's own record, cut short
+        (Path(read_plan(path).paths["out_dir"]) / "experiment.json").write_text('{"experiment": "cdp-re')
     attempt[0] = 2
-    run_experiment(path, track=False)
+    with caplog.at_level("WARNING"):
+        run_experiment(path, track=False)
+    assert ("unreadable" in caplog.text and "releases are kept" in caplog.text) == damaged
     difference = released[1] - released[0]
     assert difference.size > 1000 and np.linalg.norm(difference) > c / m, "the two releases differ without noise"
     assert difference.std() == pytest.approx(math.sqrt(2) * z * c / m, rel=0.1)
-    privacy = json.loads(Path("reports/train/cdp-redo/metrics.json").read_text())["privacy"]
+    privacy = json.loads(Path(f"reports/train/{name}/metrics.json").read_text())["privacy"]
     assert privacy["rounds_accounted"] == 3 and privacy["epsilon"] == pytest.approx(
         _opacus_rdp_epsilon(1.0, z, 3, 1e-5), rel=1e-6
     )

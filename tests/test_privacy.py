@@ -182,6 +182,17 @@ def test_prv_target_search_that_raises_uses_rdps_search_and_names_it(monkeypatch
     )
 
 
+def test_a_client_without_examples_or_an_unmeetable_target_is_one_line_naming_it_and_its_steps():
+    with pytest.raises(ConfigError, match=r"^client x: no training example$"):
+        client_privacy(in_plan(PrivacyConfig(mode="example", noise_multiplier=1.0)), 0, "client x")
+    cfg = PrivacyConfig(mode="example", target_epsilon=1e-3, accountant="rdp")
+    with pytest.raises(ConfigError) as err:  # 3 rounds x 2 epochs x 64 / 8 steps
+        client_privacy(in_plan(cfg, local_epochs=2), 64, "client x")
+    assert str(err.value).startswith(
+        "client x: privacy.target_epsilon 0.001 cannot be met with q=0.125 over 48 steps ("
+    )
+
+
 def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
     assert bound(1.0, 0.5, 0, 1e-3)[0] == 0.0
     assert bound(1.0, 0.5, 3, 1e-3)[0] < bound(1.0, 0.5, 6, 1e-3)[0]
@@ -191,9 +202,9 @@ def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
 def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
     accountant = "rdp"  # (the PRV search takes ~10 s here; PRV itself is checked above)
     cfg = PrivacyConfig(mode="example", target_epsilon=3.0, accountant=accountant)
-    s = client_privacy(in_plan(cfg), n_examples=64)  # q = 8/64 (the search takes ~6 s at q = 1/2, ~1 s here)
+    s = client_privacy(in_plan(cfg, local_epochs=2), n_examples=64)  # q = 8/64 (the search: ~6 s at q = 1/2, ~1 s here)
     assert (s.sample_rate, s.steps_per_epoch, s.delta) == (0.125, 8, 1e-5)
-    planned = 3 * 1 * s.steps_per_epoch  # rounds x local epochs x steps per epoch
+    planned = 3 * 2 * s.steps_per_epoch  # rounds x local epochs x steps per epoch
     eps = bound(s.noise_multiplier, 0.125, planned, 1e-5, accountant)[0]
     assert 2.98 <= eps <= 3.0  # opacus' search stops within 0.01 below the target
     assert bound(s.noise_multiplier, 0.125, planned - 8, 1e-5, accountant)[0] < eps  # fewer rounds stay below it
@@ -294,13 +305,14 @@ def test_privacy_group_validation():
         assert message in str(exc.value), (raw, str(exc.value))
 
 
-def in_plan(cfg: PrivacyConfig):
-    """A plan of ``cfg`` whose clients take logical batches of 8 examples in 3 rounds of one local epoch."""
+def in_plan(cfg: PrivacyConfig, local_epochs: int = 1):
+    """A plan of ``cfg`` whose clients take logical batches of 8 examples in 3 rounds of ``local_epochs`` epochs."""
     from types import SimpleNamespace
 
     from pipeline.experiments.train_config import TrainConfig
 
-    return SimpleNamespace(privacy=cfg, train=TrainConfig(batch_size=8, grad_accum_steps=1, rounds=3, local_epochs=1))
+    train = TrainConfig(batch_size=8, grad_accum_steps=1, rounds=3, local_epochs=local_epochs)
+    return SimpleNamespace(privacy=cfg, train=train)
 
 
 def test_delta_defaults_to_at_most_1e_5_and_a_tenth_of_one_over_n_and_refuses_one_over_n():
