@@ -12,14 +12,17 @@ import torch
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 
-EXAMPLES = 64
+# The SAMSum test dialogues with the longest summaries: 1,433 target tokens in 24 rows of 63 positions, where the
+# first 64 dialogues give 1,637 in 64 rows, most of them padding (the test: 55 s alone on 2 cores, against 79 s)
+EXAMPLES = 24
 
 
 def _real_batch(model, shared_data):
     from pipeline.experiments.model import ModelConfig
     from pipeline.modeling.batching import make_batches
 
-    records = pd.read_json(shared_data / "samsum" / "test.json", lines=True).head(EXAMPLES)
+    records = pd.read_json(shared_data / "samsum" / "test.json", lines=True)
+    records = records.loc[records["summary"].str.len().nlargest(EXAMPLES).index]
     frame = pd.DataFrame(
         {"example_id": records["id"].astype(str), "source": records["dialogue"], "target": records["summary"]}
     )
@@ -27,7 +30,7 @@ def _real_batch(model, shared_data):
     return make_batches(frame, model, cfg, EXAMPLES, False, 0)[0]
 
 
-@pytest.mark.timeout(400)  # ~60 s alone: the real MiniLM in bf16 on a CPU; slower beside the full lane's workers
+@pytest.mark.timeout(400)  # ~55 s alone: the real MiniLM in bf16 on a CPU; slower beside the full lane's workers
 def test_bf16_autocast_keeps_the_gate_decisions_of_float32(shared_data):
     from pipeline.modeling.adapter_stack import AdapterStack
     from pipeline.modeling.adapters import AdapterConfig
