@@ -342,7 +342,7 @@ def test_client_side_mod_clips_the_reply_and_marks_it(ws, server_identity):
     np.testing.assert_allclose(big.content["arrays"]["w"].numpy(), g + [0.6, 0.8], rtol=1e-6)
     np.testing.assert_allclose(small.content["arrays"]["w"].numpy(), g + [0.3, 0.4], rtol=1e-6)
     assert (big.content["metrics"]["dp-update-clipped"], small.content["metrics"]["dp-update-clipped"]) == (1, 0)
-    # An update of norm 0 is not clipped: C / 0 with the wire's Python float C raised ZeroDivisionError in Flower's mod
+    # An update of norm 0 is not clipped (C / 0 with the wire's Python float C, not cast to numpy, raises in Flower)
     unchanged = send(np.zeros(2))
     np.testing.assert_array_equal(unchanged.content["arrays"]["w"].numpy(), g)
     assert unchanged.content["metrics"]["dp-update-clipped"] == 0
